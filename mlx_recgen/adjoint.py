@@ -1,0 +1,147 @@
+"""Reverse mode over one step, derived symbolically.
+
+For a step ``h_t = F(h_{t-1}, x_t, p)``, ``y_t = G(...)`` with reductions ``s_k = Σ_n b_k(n)`` in
+between, let ``ȳ`` be the output cotangents and ``λ`` the adjoint of the new state. Then
+
+    s̄_k   = Σ_scalar-uses cot · ∂e/∂s_k  +  Σ_n [ Σ_h λ_h(n) ∂F_h/∂s_k + Σ_{j>k} s̄_j ∂b_j/∂s_k ]
+    v̄(n)  = Σ_h λ_h(n) ∂F_h/∂v + Σ_k s̄_k ∂b_k/∂v                         (pointwise leaves)
+    z̄     = Σ_scalar-uses cot · ∂e/∂z  +  Σ_n [ same pointwise terms ]       (scalar leaves)
+
+where reductions are visited from the highest level down (a reduction of level k only feeds
+reductions of higher levels), leaves are the old state and the inputs, and the adjoint of the old
+state is the new ``λ``. Every partial derivative comes from sympy; the result is a ``Program``
+with the same statement vocabulary as the forward step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from .ir import Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, schedule_forward
+from .spec import Slot
+
+
+@dataclass
+class Adjoint:
+    """The backward step and the cotangent symbols it reads."""
+
+    program: Program
+    output_cotangents: dict  # output Slot -> symbol ȳ
+    state_cotangents: dict  # state Slot -> symbol λ (vector for vector states)
+
+
+def _simplify(e):
+    """A cheap simplification: keep sympy's result only when it is not larger."""
+    if e == 0 or sympy.count_ops(e) > 30:
+        return e
+    s = sympy.simplify(e)
+    return s if sympy.count_ops(s) <= sympy.count_ops(e) else e
+
+
+def _grad(e, z):
+    return _simplify(sympy.diff(e, z)) if z in e.free_symbols else sympy.Integer(0)
+
+
+def derive(ir: StepIR) -> Adjoint:
+    spec, namer = ir.spec, ir.namer
+    vector = set(ir.vector)
+
+    ybar = {s: namer(f"d_{s.tensor}{s.component if spec.outputs[s.tensor].components > 1 else ''}")
+            for s in ir.outputs}
+    lam = {s: namer(f"lam_{s.tensor}{s.component if spec.states[s.tensor].components > 1 else ''}")
+           for s in ir.new_state}
+    for s, sym in lam.items():
+        if ir.is_vector_slot(s):
+            vector.add(sym)
+
+    # Expressions used as scalars (with their cotangent) and pointwise (vector state updates).
+    scalar_uses = [(ybar[s], e) for s, e in ir.outputs.items()]
+    scalar_uses += [(lam[s], e) for s, e in ir.new_state.items() if not ir.is_vector_slot(s)]
+    pointwise_uses = [(lam[s], e) for s, e in ir.new_state.items() if ir.is_vector_slot(s)]
+
+    def direct(z):
+        return sympy.Add(*[c * _grad(e, z) for c, e in scalar_uses])
+
+    def pointwise(z, reductions):
+        terms = [c * _grad(e, z) for c, e in pointwise_uses]
+        terms += [sbar[r.target] * _grad(r.body, z) for r in reductions]
+        return sympy.Add(*terms)
+
+    statements = []
+    sbar = {}
+    for level in reversed(range(ir.levels)):
+        here = [r for r in ir.reductions if r.level == level]
+        above = [r for r in ir.reductions if r.level > level]
+        accs = []
+        for r in here:
+            sbar[r.target] = namer(f"d_{r.target}")
+            acc = pointwise(r.target, above)
+            accs.append((r, acc))
+        loop_pairs, finals = [], []
+        for r, acc in accs:
+            if acc == 0:
+                finals.append(Assign(sbar[r.target], direct(r.target)))
+            else:
+                a = namer(f"acc_{r.target}")
+                loop_pairs.append(((lambda e, a=a: Accumulate(a, e)), acc))
+                finals.append(Assign(sbar[r.target], direct(r.target) + a))
+        statements += _loop(loop_pairs, vector, namer, prefix="u") + finals
+
+    # Leaves: old states and inputs.
+    leaves = [(("lambda", s), spec.symbols[s]) for s in spec.state_slots()]
+    leaves += [(("grad", s), spec.symbols[s]) for s in spec.input_slots()]
+    loop_pairs, scalar_pairs = [], []
+    for (kind, slot), z in leaves:
+        pw = pointwise(z, ir.reductions)
+        if z in ir.vector:
+            loop_pairs.append(((lambda e, kind=kind, slot=slot: Store(kind, slot, e)), pw))
+        else:
+            d = direct(z)
+            if pw != 0:
+                a = namer(f"acc_{z}")
+                loop_pairs.append(((lambda e, a=a: Accumulate(a, e)), pw))
+                d = d + a
+            scalar_pairs.append(((lambda e, kind=kind, slot=slot: Store(kind, slot, e)), d))
+    statements += _loop(loop_pairs, vector, namer, prefix="v")
+    temps, stores, _ = cse_block(scalar_pairs, namer, vector, prefix="w")
+    statements += temps + stores
+
+    # Recompute the forward reductions the derivatives read (and those they depend on).
+    needed = _needed_reductions(ir, statements)
+    recompute = schedule_forward(_restrict(ir, needed), for_backward=True) if needed else None
+    head = recompute.statements if recompute else []
+    loop_vector = {b.target for st in head + statements if hasattr(st, "body")
+                   for b in st.body if isinstance(b, Assign)}
+    program = Program(head + statements, frozenset(vector | loop_vector))
+    return Adjoint(program, ybar, lam)
+
+
+def _free_symbols(statements):
+    out = set()
+    for st in statements:
+        for b in getattr(st, "body", [st]):
+            out |= b.expr.free_symbols
+    return out
+
+
+def _needed_reductions(ir: StepIR, statements):
+    targets = {r.target: r for r in ir.reductions}
+    need = {s for s in _free_symbols(statements) if s in targets}
+    frontier = list(need)
+    while frontier:
+        r = targets[frontier.pop()]
+        for s in r.body.free_symbols:
+            if s in targets and s not in need:
+                need.add(s)
+                frontier.append(s)
+    return need
+
+
+def _restrict(ir: StepIR, keep):
+    return StepIR(ir.spec, [r for r in ir.reductions if r.target in keep], {}, {}, ir.vector,
+                  ir.namer)
+
+
+__all__ = ["Adjoint", "derive", "Slot"]

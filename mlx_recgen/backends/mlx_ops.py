@@ -1,0 +1,169 @@
+"""The pure-MLX backend: the rendered step programs run with MLX ops, one call per time step.
+
+It runs on any MLX device (the Linux CPU included) and is the reference the kernels are held to.
+Forward keeps only the state at the start of every segment; backward walks segments newest to
+oldest, recomputes the segment's states from its checkpoint with the same step function (so the
+recomputed states are bit-identical), then sweeps the derived adjoint over the segment.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..layout import canonical_shape, from_canonical, reduce_to, to_canonical
+from ..render.mlx_ops import render_mlx
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def __init__(self, rec):
+        self.rec = rec
+        spec = rec.spec
+        self.forward_step = render_mlx(rec.forward_program, "forward_step")
+        self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
+        self._fwd = mx.compile(self.forward_step.fn)
+        self._bwd = mx.compile(self.backward_step.fn)
+        # where each step argument comes from
+        self.origin = {}
+        for slot, sym in spec.symbols.items():
+            kind = "state" if slot.tensor in spec.states else "input"
+            self.origin[sym] = (kind, slot)
+        for slot, sym in rec.adjoint.output_cotangents.items():
+            self.origin[sym] = ("d_output", slot)
+        for slot, sym in rec.adjoint.state_cotangents.items():
+            self.origin[sym] = ("d_state", slot)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _canonical_inputs(self, inputs):
+        spec = self.rec.spec
+        out = {}
+        for t, x in zip(spec.inputs.values(), inputs):
+            for c, part in enumerate(to_canonical(spec, t, x.astype(mx.float32))):
+                out[(t.name, c)] = part
+        return out
+
+    def _state_shapes(self, sizes):
+        spec = self.rec.spec
+        return {(t.name, c): canonical_shape(spec, t, sizes)
+                for t in spec.states.values() for c in range(t.components)}
+
+    def _canonical_states(self, states, sizes):
+        spec = self.rec.spec
+        shapes = self._state_shapes(sizes)
+        out = {}
+        for t, x in zip(spec.states.values(), states):
+            for c, part in enumerate(to_canonical(spec, t, x.astype(mx.float32))):
+                out[(t.name, c)] = mx.broadcast_to(part, shapes[(t.name, c)])
+        return out
+
+    def _args(self, step, t, state, canon_in, extra=None):
+        spec = self.rec.spec
+        nb = len(spec.batch_axes)
+        args = []
+        for sym in step.args:
+            kind, slot = self.origin[sym]
+            key = (slot.tensor, slot.component)
+            if kind == "state":
+                args.append(state[key])
+            elif kind == "input":
+                x = canon_in[key]
+                args.append(x[(slice(None),) * nb + (t,)] if spec.inputs[slot.tensor].has_time else x)
+            else:
+                args.append(extra[(kind, key)])
+        return args
+
+    def _step_forward(self, t, state, canon_in, shapes, fn=None):
+        res = (fn or self._fwd)(*self._args(self.forward_step, t, state, canon_in))
+        new_state, outs = dict(state), {}
+        for (kind, slot), r in zip(self.forward_step.results, res):
+            key = (slot.tensor, slot.component)
+            if kind == "state":
+                new_state[key] = reduce_to(r, shapes[key])
+            else:
+                outs[key] = r
+        return new_state, outs
+
+    # -- passes -------------------------------------------------------------------------------
+    def forward(self, inputs, states, sizes, seg, out_dtype, *, compiled=True):
+        spec = self.rec.spec
+        L, nb = sizes[spec.time], len(spec.batch_axes)
+        shapes = self._state_shapes(sizes)
+        canon_in = self._canonical_inputs(inputs)
+        state = self._canonical_states(states, sizes)
+        keys = list(state)
+        checkpoints = {k: [] for k in keys}
+        outs = {(s.tensor, s.component): [] for s in spec.output_slots()}
+        for t in range(L):
+            if t % seg == 0:
+                for k in keys:
+                    checkpoints[k].append(state[k])
+            state, step_out = self._step_forward(
+                t, state, canon_in, shapes, None if compiled else self.forward_step.fn)
+            for k, v in step_out.items():
+                outs[k].append(v)
+        outputs = []
+        for t in spec.outputs.values():
+            shape = canonical_shape(spec, t, sizes, with_time=False)
+            parts = [mx.stack([reduce_to(v, shape) for v in outs[(t.name, c)]], axis=nb)
+                     for c in range(t.components)]
+            outputs.append(from_canonical(spec, t, parts, reduce_missing=False).astype(out_dtype))
+        finals = [from_canonical(spec, t, [state[(t.name, c)] for c in range(t.components)], False)
+                  for t in spec.states.values()]
+        residuals = [mx.stack(checkpoints[k]) for k in keys]
+        return outputs, finals, residuals
+
+    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg):
+        spec = self.rec.spec
+        L, nb = sizes[spec.time], len(spec.batch_axes)
+        shapes = self._state_shapes(sizes)
+        canon_in = self._canonical_inputs(inputs)
+        keys = [(t.name, c) for t in spec.states.values() for c in range(t.components)]
+        checkpoints = dict(zip(keys, residuals))
+        lam = self._canonical_states(d_finals, sizes)
+        d_out = {}
+        for t, g in zip(spec.outputs.values(), d_outputs):
+            for c, part in enumerate(to_canonical(spec, t, g.astype(mx.float32))):
+                d_out[(t.name, c)] = part
+        step_grads = {k: [None] * L for k in canon_in if spec.inputs[k[0]].has_time}
+        param_grads = {k: None for k in canon_in if not spec.inputs[k[0]].has_time}
+
+        n_seg = -(-L // seg)
+        for s in reversed(range(n_seg)):
+            start, end = s * seg, min(L, (s + 1) * seg)
+            state = {k: checkpoints[k][s] for k in keys}
+            history = []
+            for t in range(start, end):
+                history.append(state)
+                state, _ = self._step_forward(t, state, canon_in, shapes)
+            for t in reversed(range(start, end)):
+                extra = {("d_state", k): lam[k] for k in keys}
+                extra.update({("d_output", k): v[(slice(None),) * nb + (t,)] for k, v in d_out.items()})
+                res = self._bwd(*self._args(self.backward_step, t, history[t - start], canon_in, extra))
+                new_lam = {}
+                for (kind, slot), r in zip(self.backward_step.results, res):
+                    key = (slot.tensor, slot.component)
+                    if kind == "lambda":
+                        new_lam[key] = reduce_to(r, shapes[key])
+                        continue
+                    x = canon_in[key]
+                    if key in step_grads:
+                        step_grads[key][t] = reduce_to(r, x.shape[:nb] + x.shape[nb + 1:])
+                    else:
+                        g = reduce_to(r, x.shape)
+                        param_grads[key] = g if param_grads[key] is None else param_grads[key] + g
+                lam = new_lam
+            # Bound the live graph to one segment: what crosses segments is small.
+            mx.eval(list(lam.values()) + [g for g in param_grads.values() if g is not None])
+
+        grads = []
+        for t, x in zip(spec.inputs.values(), inputs):
+            parts = []
+            for c in range(t.components):
+                key = (t.name, c)
+                parts.append(mx.stack(step_grads[key], axis=nb) if key in step_grads else param_grads[key])
+            grads.append(from_canonical(spec, t, parts, reduce_missing=True).astype(x.dtype))
+        d_init = [from_canonical(spec, t, [lam[(t.name, c)] for c in range(t.components)], False).astype(x.dtype)
+                  for t, x in zip(spec.states.values(), states)]
+        return grads, d_init
+

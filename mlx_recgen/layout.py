@@ -1,0 +1,79 @@
+"""Tensor layouts: the declared layout of a spec's tensors and the canonical layout the pure-MLX
+backend computes in.
+
+Canonical layout of a tensor: ``(batch axes in spec order..., [time], lane, state axis)`` with
+size 1 wherever the tensor lacks an axis, one array per component. A step slice of it
+broadcasts against every other tensor of the step.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .spec import Spec, Tensor
+
+
+def canonical_axes(spec: Spec, t: Tensor, with_time: bool | None = None) -> list:
+    with_time = t.has_time if with_time is None else with_time
+    axes = list(spec.batch_axes)
+    if with_time:
+        axes.append(spec.time)
+    axes += [spec.lane, spec.state_axis or "__state__"]
+    return axes
+
+
+def canonical_shape(spec: Spec, t: Tensor, sizes: dict, with_time: bool | None = None) -> tuple:
+    """The canonical shape of tensor ``t`` (size 1 on the axes it lacks)."""
+    return tuple(sizes[a] if a in t.axes else 1 for a in canonical_axes(spec, t, with_time))
+
+
+def declared_shape(t: Tensor, sizes: dict) -> tuple:
+    return tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
+
+
+def to_canonical(spec: Spec, t: Tensor, x: mx.array) -> list:
+    """Declared-layout array -> one canonical array per component."""
+    named = [a for a in t.axes if isinstance(a, str)]
+    target = canonical_axes(spec, t)
+    present = [a for a in target if a in named]
+    perm = [t.axes.index(a) for a in present]
+    comp_dim = [i for i, a in enumerate(t.axes) if isinstance(a, int)]
+    x = mx.transpose(x, perm + comp_dim)
+    shape = list(x.shape)
+    full = []
+    it = iter(shape[: len(present)])
+    for a in target:
+        full.append(next(it) if a in named else 1)
+    if comp_dim:
+        x = mx.reshape(x, full + [t.components])
+        return [x[..., c] for c in range(t.components)]
+    return [mx.reshape(x, full)]
+
+
+def from_canonical(spec: Spec, t: Tensor, parts: list, reduce_missing: bool) -> mx.array:
+    """Canonical arrays (one per component) -> the declared layout.
+
+    With ``reduce_missing`` the axes the tensor lacks are summed (gradients of broadcast inputs);
+    otherwise they must already have size 1."""
+    named = [a for a in t.axes if isinstance(a, str)]
+    target = canonical_axes(spec, t)
+    x = mx.stack(parts, axis=-1) if t.components > 1 else parts[0]
+    missing = [i for i, a in enumerate(target) if a not in named]
+    if missing:
+        x = mx.sum(x, axis=missing) if reduce_missing else mx.squeeze(x, axis=missing)
+    present = [a for a in target if a in named]
+    order = [present.index(a) if isinstance(a, str) else len(present) for a in t.axes]
+    return mx.transpose(x, order)
+
+
+def reduce_to(x: mx.array, shape: tuple) -> mx.array:
+    """Sum ``x`` over the axes where ``shape`` has size 1 (undo broadcasting)."""
+    x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
+    if x.ndim < len(shape):
+        x = mx.reshape(x, (1,) * (len(shape) - x.ndim) + tuple(x.shape))
+    axes = [i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1]
+    if axes:
+        x = mx.sum(x, axis=axes, keepdims=True)
+    if tuple(x.shape) != tuple(shape):
+        x = mx.broadcast_to(x, shape)
+    return x

@@ -1,0 +1,70 @@
+"""Render a step program as an MLX Python function.
+
+Scalars are arrays of shape ``(..., lanes, 1)`` and pointwise values ``(..., lanes, N)``, so a
+loop over the state axis is array broadcasting and ``Σ_n`` is a sum over the last axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..ir import Accumulate, Assign, Loop, Program, Store
+from .expr import MLXPrinter
+
+
+@dataclass
+class MLXStep:
+    """A rendered step: ``fn(*args) -> tuple(results)``."""
+
+    source: str
+    args: list  # sympy symbols, in call order
+    results: list  # (kind, slot), in return order
+    fn: object
+
+
+def program_arguments(program: Program) -> list:
+    """Free symbols of a program (what it reads), sorted by name."""
+    assigned, free = set(), set()
+    for st in program.statements:
+        for b in st.body if isinstance(st, Loop) else [st]:
+            free |= b.expr.free_symbols - assigned
+            if not isinstance(b, Store):
+                assigned.add(b.target)
+    return sorted(free, key=str)
+
+
+def render_mlx(program: Program, name: str, args=None) -> MLXStep:
+    args = program_arguments(program) if args is None else args
+    names = {s: f"{s}_" for s in args}  # suffix keeps spec names clear of Python's (`lambda`)
+    pr = MLXPrinter(names)
+    lines, results = [], []
+
+    def ident(sym):
+        names.setdefault(sym, f"{sym}_")
+        return names[sym]
+
+    def emit(stmt):
+        if isinstance(stmt, Assign):
+            lines.append(f"    {ident(stmt.target)} = {pr(stmt.expr)}")
+        elif isinstance(stmt, Accumulate):
+            lines.append(f"    {ident(stmt.target)} = mx.sum({pr(stmt.expr)}, axis=-1, keepdims=True)")
+        elif isinstance(stmt, Store):
+            var = f"out{len(results)}"
+            lines.append(f"    {var} = {pr(stmt.expr)}")
+            results.append((stmt.kind, stmt.slot))
+
+    for st in program.statements:
+        if isinstance(st, Loop):
+            lines.append("    # sweep over the state axis")
+            for b in st.body:
+                emit(b)
+        else:
+            emit(st)
+    ret = ", ".join(f"out{i}" for i in range(len(results)))
+    source = (f"def {name}({', '.join(names[s] for s in args)}):\n" + "\n".join(lines)
+              + f"\n    return ({ret}{',' if len(results) == 1 else ''})\n")
+    scope = {"mx": mx}
+    exec(compile(source, f"<mlx-recgen {name}>", "exec"), scope)
+    return MLXStep(source, list(args), results, scope[name])

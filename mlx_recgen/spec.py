@@ -1,0 +1,461 @@
+"""The spec language: declarations, axis roles and the tracing of a recurrence body.
+
+A spec declares every tensor with its axes, named by identifiers (``"B L H P"``) or, for small
+fixed-size component axes such as a (re, im) pair, by an integer literal (``"B L P 2"``). The
+roles of the axes follow from the declarations:
+
+* ``time``: the sequential axis. An input without it is a *parameter* (time-invariant).
+* ``lane``: one GPU thread per lane value.
+* batch-like axes: every axis an output carries besides time, lane and components. Instances
+  along them are independent (grid dimensions).
+* the *state axis*: the one remaining axis of the state. Each thread keeps a vector over it; the
+  body addresses it through the index parameter (``n``) and reduces over it with ``Sum``.
+* component axes (integer literals): indexed by constant integers in the body.
+
+The body is plain Python run once on sympy symbols; what it computes is read back as expressions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+import sympy
+
+from .errors import SpecError
+from .functions import sigmoid, softplus
+
+# ---------------------------------------------------------------------------------------------
+# Declarations
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_axes(spec: str, tensor: str, text) -> tuple:
+    if not isinstance(text, str):
+        raise SpecError(spec, f"tensor '{tensor}': axes must be a string like \"B L H P\", got {text!r}")
+    axes = []
+    for token in text.split():
+        if token.isdigit():
+            if int(token) < 1:
+                raise SpecError(spec, f"tensor '{tensor}': component axis size must be >= 1")
+            axes.append(int(token))
+        elif token.isidentifier():
+            axes.append(token)
+        else:
+            raise SpecError(spec, f"tensor '{tensor}': '{token}' is not an axis name")
+    names = [a for a in axes if isinstance(a, str)]
+    if len(set(names)) != len(names):
+        raise SpecError(spec, f"tensor '{tensor}': an axis appears twice in \"{text}\"")
+    if len([a for a in axes if isinstance(a, int)]) > 1:
+        raise SpecError(spec, f"tensor '{tensor}': at most one component axis is supported")
+    return tuple(axes)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A declared tensor of the spec and the roles of its axes."""
+
+    name: str
+    kind: str  # "state" | "input" | "output"
+    axes: tuple  # as declared (strings, and an int for a component axis)
+    has_time: bool
+    has_lane: bool
+    has_state_axis: bool
+    components: int  # size of the component axis, 1 if none
+    batch_axes: tuple  # the batch-like axes it carries, in the spec's batch order
+
+    @property
+    def is_parameter(self) -> bool:
+        return self.kind == "input" and not self.has_time
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One scalar-or-vector value of a tensor: the tensor and a component index (0 if none)."""
+
+    tensor: str
+    component: int = 0
+
+    def label(self, components: int) -> str:
+        return self.tensor if components == 1 else f"{self.tensor}[{self.component}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing objects
+# ---------------------------------------------------------------------------------------------
+
+
+class StateIndex(sympy.Symbol):
+    """The body's index over the state axis (``n`` in ``h[n]``)."""
+
+
+class Reduce(sympy.Function):
+    """``Sum(body, n)``: the sum of a pointwise expression over the state axis."""
+
+    nargs = 1
+    is_real = True
+
+
+def Sum(expr, index):
+    """Sum ``expr`` over the state axis, addressed by the body's index parameter ``index``."""
+    if not isinstance(index, StateIndex):
+        raise TypeError(f"Sum(expr, index): index must be the body's state index, got {index!r}")
+    return Reduce(sympy.sympify(expr))
+
+
+_ALLOWED_FUNCS = (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.Abs,
+                  sympy.Piecewise, sigmoid, softplus, Reduce)
+
+
+def _allowed_function(f) -> bool:
+    from sympy.codegen.cfunctions import log1p
+    return isinstance(f, (*_ALLOWED_FUNCS, log1p))
+
+
+class _Indexable:
+    """A tensor with index axes, as the body sees it: ``B[n]``, ``x[0]``, ``h[n] = ...``."""
+
+    def __init__(self, owner: "Tracer", tensor: Tensor, values: dict):
+        self._owner, self._tensor, self._values = owner, tensor, values
+
+    def _component(self, key) -> int:
+        t = self._tensor
+        key = key if isinstance(key, tuple) else (key,)
+        want = []
+        for ax in t.axes:
+            if isinstance(ax, int):
+                want.append("component")
+            elif t.has_state_axis and ax == self._owner.state_axis:
+                want.append("state index")
+        if len(key) != len(want):
+            raise SpecError(self._owner.spec_name,
+                            f"'{t.name}' is indexed with {len(key)} indices; it takes "
+                            f"{len(want)} ({', '.join(want) or 'none'})")
+        comp = 0
+        for k, w in zip(key, want):
+            if w == "state index":
+                if not isinstance(k, StateIndex):
+                    raise SpecError(self._owner.spec_name,
+                                    f"'{t.name}' must be indexed by the state index "
+                                    f"'{self._owner.index_name}' on axis {self._owner.state_axis}, got {k!r}")
+            else:
+                if not isinstance(k, int) or not 0 <= k < t.components:
+                    raise SpecError(self._owner.spec_name,
+                                    f"'{t.name}': component index must be an integer in "
+                                    f"[0, {t.components}), got {k!r}")
+                comp = k
+        return comp
+
+    def __getitem__(self, key):
+        return self._values[self._component(key)]
+
+    def __setitem__(self, key, value):
+        if self._tensor.kind != "state":
+            raise SpecError(self._owner.spec_name, f"input '{self._tensor.name}' is read-only")
+        self._values[self._component(key)] = sympy.sympify(value)
+
+    def __repr__(self):
+        return f"<{self._tensor.kind} {self._tensor.name}>"
+
+    def _not_scalar(self, *_):
+        raise SpecError(self._owner.spec_name,
+                        f"'{self._tensor.name}' has index axes; use it as "
+                        f"{self._tensor.name}[...] in expressions")
+
+    __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = _not_scalar
+    __truediv__ = __rtruediv__ = __pow__ = __neg__ = _not_scalar
+
+
+class Tracer:
+    """Runs a body once on symbols and captures what it computes."""
+
+    def __init__(self, spec_name, tensors, state_axis, index_name):
+        self.spec_name = spec_name
+        self.tensors = tensors
+        self.state_axis = state_axis
+        self.index_name = index_name
+        self.symbols: dict[Slot, sympy.Symbol] = {}
+        self.vector_symbols: set = set()
+
+    def symbol_for(self, tensor: Tensor, component: int) -> sympy.Symbol:
+        slot = Slot(tensor.name, component)
+        if slot not in self.symbols:
+            name = tensor.name if tensor.components == 1 else f"{tensor.name}{component}"
+            s = sympy.Symbol(name, real=True)
+            self.symbols[slot] = s
+            if tensor.has_state_axis:
+                self.vector_symbols.add(s)
+        return self.symbols[slot]
+
+    def argument_for(self, tensor: Tensor):
+        values = {c: self.symbol_for(tensor, c) for c in range(tensor.components)}
+        if tensor.has_state_axis or tensor.components > 1:
+            return _Indexable(self, tensor, values)
+        return values[0]
+
+
+def _run_capturing_locals(fn, kwargs):
+    """Call ``fn(**kwargs)`` and return (result, its locals at return)."""
+    captured = {}
+    code = fn.__code__
+
+    def profiler(frame, event, arg):
+        if event == "return" and frame.f_code is code:
+            captured.update(frame.f_locals)
+
+    old = sys.getprofile()
+    sys.setprofile(profiler)
+    try:
+        result = fn(**kwargs)
+    finally:
+        sys.setprofile(old)
+    return result, captured
+
+
+# ---------------------------------------------------------------------------------------------
+# The traced spec
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Spec:
+    """A parsed, traced recurrence spec: declarations, axis roles and the step's expressions."""
+
+    name: str
+    doc: str
+    time: str
+    lane: str
+    batch_axes: tuple
+    state_axis: str | None
+    index_name: str | None
+    states: dict  # name -> Tensor
+    inputs: dict  # name -> Tensor (ordered as the body's parameters)
+    outputs: dict  # name -> Tensor
+    symbols: dict  # Slot -> sympy.Symbol (old state values and inputs)
+    vector_symbols: frozenset
+    state_updates: dict  # Slot -> expression (new value of each state slot)
+    output_exprs: dict  # Slot -> expression
+    reduce_names: dict  # Reduce expression -> the body's local name for it
+    source_file: str | None = None
+
+    @property
+    def tensors(self) -> dict:
+        return {**self.states, **self.inputs, **self.outputs}
+
+    def state_slots(self):
+        return [Slot(t.name, c) for t in self.states.values() for c in range(t.components)]
+
+    def input_slots(self):
+        return [Slot(t.name, c) for t in self.inputs.values() for c in range(t.components)]
+
+    def output_slots(self):
+        return [Slot(t.name, c) for t in self.outputs.values() for c in range(t.components)]
+
+    def is_vector(self, symbol) -> bool:
+        return symbol in self.vector_symbols
+
+
+def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec:
+    spec_name = name or fn.__name__
+    for arg, value in (("state", state), ("inputs", inputs), ("outputs", outputs)):
+        if not isinstance(value, dict) or not value:
+            raise SpecError(spec_name, f"'{arg}' must be a non-empty dict of name -> axes")
+    for arg, value in (("lane", lane), ("time", time)):
+        if not isinstance(value, str) or not value.isidentifier():
+            raise SpecError(spec_name, f"'{arg}' must be an axis name, got {value!r}")
+    if lane == time:
+        raise SpecError(spec_name, f"lane and time are the same axis '{lane}'")
+    seen = set()
+    for group in (state, inputs, outputs):
+        for tname in group:
+            if not str(tname).isidentifier():
+                raise SpecError(spec_name, f"'{tname}' is not a valid tensor name")
+            if tname in seen:
+                raise SpecError(spec_name, f"tensor name '{tname}' is declared twice")
+            seen.add(tname)
+
+    raw = {}
+    for kind, group in (("state", state), ("input", inputs), ("output", outputs)):
+        for tname, text in group.items():
+            raw[tname] = (kind, _parse_axes(spec_name, tname, text))
+
+    # Batch-like axes: what outputs carry besides time, lane and components.
+    batch_axes = []
+    for tname, (kind, axes) in raw.items():
+        if kind != "output":
+            continue
+        if time not in axes:
+            raise SpecError(spec_name, f"output '{tname}' lacks the time axis '{time}'")
+        if lane not in axes:
+            raise SpecError(spec_name, f"output '{tname}' lacks the lane axis '{lane}'")
+        for a in axes:
+            if isinstance(a, str) and a not in (time, lane) and a not in batch_axes:
+                batch_axes.append(a)
+
+    # The state axis: what states carry besides lane, batch and components.
+    state_axes = []
+    for tname, (kind, axes) in raw.items():
+        if kind != "state":
+            continue
+        if time in axes:
+            raise SpecError(spec_name, f"state '{tname}' must not carry the time axis '{time}'")
+        if lane not in axes:
+            raise SpecError(spec_name, f"state '{tname}' lacks the lane axis '{lane}' "
+                                       "(each lane keeps its own state)")
+        for b in batch_axes:
+            if b not in axes:
+                raise SpecError(spec_name, f"state '{tname}' lacks the batch axis '{b}' "
+                                           "that the outputs carry")
+        for a in axes:
+            if isinstance(a, str) and a not in batch_axes and a != lane and a not in state_axes:
+                state_axes.append(a)
+    if len(state_axes) > 1:
+        raise SpecError(spec_name, f"states carry several state axes {state_axes}; one state "
+                                   "axis (besides lane, batch and a component axis) is supported")
+    state_axis = state_axes[0] if state_axes else None
+
+    known = set(batch_axes) | {time, lane} | ({state_axis} if state_axis else set())
+    tensors = {}
+    for tname, (kind, axes) in raw.items():
+        for a in axes:
+            if isinstance(a, str) and a not in known:
+                raise SpecError(spec_name, f"tensor '{tname}': unknown axis '{a}' (not the time "
+                                           "or lane axis, not carried by an output or a state)")
+        if kind == "output" and state_axis in axes:
+            raise SpecError(spec_name, f"output '{tname}' carries the state axis '{state_axis}'; "
+                                       "reduce over it with Sum(...) instead")
+        comps = [a for a in axes if isinstance(a, int)]
+        tensors[tname] = Tensor(
+            name=tname, kind=kind, axes=axes, has_time=time in axes, has_lane=lane in axes,
+            has_state_axis=state_axis is not None and state_axis in axes,
+            components=comps[0] if comps else 1,
+            batch_axes=tuple(b for b in batch_axes if b in axes),
+        )
+
+    # Body parameters: states and inputs by name, then the state index.
+    params = list(inspect.signature(fn).parameters)
+    declared = list(state) + list(inputs)
+    extra = [p for p in params if p not in declared]
+    missing = [d for d in declared if d not in params]
+    if missing:
+        raise SpecError(spec_name, f"the body has no parameter for {missing}; every state and "
+                                   "input must be a parameter")
+    if state_axis is None and extra:
+        raise SpecError(spec_name, f"unknown body parameters {extra}: no state/input is declared "
+                                   "with these names and the spec has no state axis to index")
+    if state_axis is not None and len(extra) != 1:
+        raise SpecError(spec_name, f"the body needs exactly one index parameter for the state "
+                                   f"axis '{state_axis}' (after the tensors), got {extra}")
+    index_name = extra[0] if extra else None
+
+    tracer = Tracer(spec_name, tensors, state_axis, index_name)
+    kwargs = {}
+    for tname in declared:
+        kwargs[tname] = tracer.argument_for(tensors[tname])
+    if index_name:
+        kwargs[index_name] = StateIndex(index_name)
+    state_args = {t: kwargs[t] for t in state}
+
+    try:
+        result, local_vars = _run_capturing_locals(fn, kwargs)
+    except SpecError:
+        raise
+    except Exception as exc:  # the body is user code: report it in the spec's terms
+        raise SpecError(spec_name, f"tracing the body failed: {type(exc).__name__}: {exc}") from exc
+
+    # New state values: item assignment on indexables, rebinding for plain scalar states.
+    updates = {}
+    for tname, arg in state_args.items():
+        t = tensors[tname]
+        if isinstance(arg, _Indexable):
+            rebound = local_vars.get(tname, arg)
+            if rebound is not arg:
+                raise SpecError(spec_name, f"state '{tname}' has index axes; update it with "
+                                           f"{tname}[...] = ..., not by rebinding the name")
+            for c in range(t.components):
+                updates[Slot(tname, c)] = arg._values[c]
+        else:
+            updates[Slot(tname, 0)] = sympy.sympify(local_vars.get(tname, arg))
+
+    old = {Slot(t, c): tracer.symbols[Slot(t, c)] for t in state for c in range(tensors[t].components)}
+    for tname in state:
+        slots = [s for s in updates if s.tensor == tname]
+        if all(updates[s] == old[s] for s in slots):
+            raise SpecError(spec_name, f"state '{tname}' is never updated by the body")
+
+    if not isinstance(result, dict):
+        raise SpecError(spec_name, f"the body must return a dict of outputs {list(outputs)}, "
+                                   f"got {type(result).__name__}")
+    unknown_out = [k for k in result if k not in outputs]
+    if unknown_out:
+        raise SpecError(spec_name, f"the body returns undeclared outputs {unknown_out}")
+    absent_out = [k for k in outputs if k not in result]
+    if absent_out:
+        raise SpecError(spec_name, f"output(s) {absent_out} are declared but not returned")
+    output_exprs = {}
+    for oname, value in result.items():
+        t = tensors[oname]
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if len(values) != t.components:
+            raise SpecError(spec_name, f"output '{oname}' has {t.components} component(s), the "
+                                       f"body returns {len(values)}")
+        for c, v in enumerate(values):
+            try:
+                output_exprs[Slot(oname, c)] = sympy.sympify(v)
+            except sympy.SympifyError as exc:
+                raise SpecError(spec_name, f"output '{oname}' is not an expression: {v!r}") from exc
+
+    vector_symbols = frozenset(tracer.vector_symbols)
+    reduce_names = {}
+    for lname, value in local_vars.items():
+        if isinstance(value, Reduce) and lname.isidentifier():
+            reduce_names.setdefault(value, lname)
+
+    spec = Spec(
+        name=spec_name, doc=inspect.getdoc(fn) or "", time=time, lane=lane,
+        batch_axes=tuple(batch_axes), state_axis=state_axis, index_name=index_name,
+        states={t: tensors[t] for t in state}, inputs={t: tensors[t] for t in inputs},
+        outputs={t: tensors[t] for t in outputs}, symbols=dict(tracer.symbols),
+        vector_symbols=vector_symbols, state_updates=updates, output_exprs=output_exprs,
+        reduce_names=reduce_names, source_file=inspect.getsourcefile(fn),
+    )
+    _validate_expressions(spec)
+    return spec
+
+
+def _validate_expressions(spec: Spec):
+    """Every expression must be built from known symbols and differentiable functions, and must
+    not use the state index where a scalar is required."""
+    known = set(spec.symbols.values())
+    exprs = [(f"state '{s.label(spec.states[s.tensor].components)}'", e, spec.states[s.tensor])
+             for s, e in spec.state_updates.items()]
+    exprs += [(f"output '{s.label(spec.outputs[s.tensor].components)}'", e, None)
+              for s, e in spec.output_exprs.items()]
+    for what, expr, state_tensor in exprs:
+        for node in sympy.preorder_traversal(expr):
+            if isinstance(node, sympy.Symbol) and not isinstance(node, StateIndex) and node not in known:
+                raise SpecError(spec.name, f"{what} uses the unknown symbol '{node}'")
+            if isinstance(node, StateIndex):
+                raise SpecError(spec.name, f"{what} uses the index '{node}' as a value")
+            if isinstance(node, sympy.Function) and not _allowed_function(node):
+                raise SpecError(spec.name, f"{what} uses '{node.func.__name__}', which is not a "
+                                           "differentiable op of the spec language")
+            if isinstance(node, (sympy.Integral, sympy.Derivative, sympy.Sum)):
+                raise SpecError(spec.name, f"{what} uses '{type(node).__name__}'; use Sum(expr, "
+                                           f"{spec.index_name}) for reductions")
+        if _uses_vector_outside_reduce(spec, expr):
+            if state_tensor is None or not state_tensor.has_state_axis:
+                raise SpecError(spec.name, f"{what} depends on the state index outside a "
+                                           f"Sum(..., {spec.index_name}); a scalar is required")
+
+
+def _uses_vector_outside_reduce(spec, expr) -> bool:
+    if isinstance(expr, Reduce):
+        return False
+    if isinstance(expr, sympy.Symbol):
+        return expr in spec.vector_symbols
+    return any(_uses_vector_outside_reduce(spec, a) for a in expr.args)
+
+
+__all__ = ["Spec", "Tensor", "Slot", "Sum", "Reduce", "StateIndex", "build_spec"]

@@ -1,0 +1,67 @@
+"""Loading specs: the bundled ones by name, a user's from a Python file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .errors import SpecError
+
+
+def specs_dir() -> Path:
+    """The bundled ``specs/`` folder (inside the wheel, or at the top of a source checkout)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "specs", here.parent / "specs"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("the bundled specs/ folder is missing from this installation")
+
+
+def list_specs() -> list:
+    """Names of the bundled specs."""
+    return sorted(p.stem for p in specs_dir().glob("*.py") if not p.stem.startswith("_"))
+
+
+_cache: dict = {}
+
+
+def load_spec(name_or_path):
+    """A ``Recurrence`` from a bundled spec name (``"ssd"``) or a user's file (``"my_spec.py"``).
+
+    A file must define exactly one recurrence at module level, or name one with
+    ``path.py:name``."""
+    from .function import Recurrence
+
+    text = str(name_or_path)
+    attr = None
+    if ":" in text and not Path(text).exists():
+        text, attr = text.rsplit(":", 1)
+    path = Path(text)
+    if path.suffix != ".py":
+        if text not in list_specs():
+            raise ValueError(f"unknown spec '{text}'; bundled specs are {list_specs()}, or pass a "
+                             "path to a .py file")
+        path = specs_dir() / f"{text}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"spec file not found: {path}")
+    key = (str(path.resolve()), attr)
+    if key in _cache:
+        return _cache[key]
+    module_name = f"mlx_recgen_spec_{path.stem}_{abs(hash(key))}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
+    found = {k: v for k, v in vars(module).items() if isinstance(v, Recurrence)}
+    if attr is not None:
+        if attr not in found:
+            raise SpecError(attr, f"{path} defines no recurrence named '{attr}' (found {list(found)})")
+        rec = found[attr]
+    elif len(found) == 1:
+        rec = next(iter(found.values()))
+    elif path.stem in found:
+        rec = found[path.stem]
+    else:
+        raise SpecError(path.stem, f"{path} defines {len(found)} recurrences {list(found)}; "
+                                   "name one as path.py:name")
+    _cache[key] = rec
+    return rec
