@@ -1,0 +1,60 @@
+"""Metal simulator: compile and execute Metal Shading Language kernels on the CPU.
+
+``metal_kernel`` takes the same arguments as ``mx.fast.metal_kernel`` and returns a
+callable taking the same arguments as the object MLX returns; the kernel text is
+built exactly as MLX builds it (``mlx_recgen.backends.mlx_source.metal_source``),
+compiled as C++ against a shim of MSL, and executed with Metal's execution model:
+threadgroups one after another, the threads of a group as cooperative fibers
+that meet at barriers and simd collectives (simdgroups of 32).  Out-of-bounds
+accesses, unwritten outputs, uninitialised reads, divergent collectives and
+barriers, and data races raise subclasses of :class:`SimulatorError`.
+
+See docs/simulator.md.
+"""
+
+from .errors import (
+    BarrierDivergenceError,
+    DataRaceError,
+    KernelCrashError,
+    KernelRuntimeError,
+    MetalCompileError,
+    OutOfBoundsError,
+    SimdDivergenceError,
+    SimulatorError,
+    SimulatorSetupError,
+    UninitializedReadError,
+    UnwrittenOutputError,
+)
+from .kernel import SimKernel, metal_kernel
+from .compiler import cache_dir, clear_memory_cache, find_clang, find_compiler
+
+
+def is_available() -> bool:
+    """True when a C++ compiler for the simulator is on PATH."""
+    try:
+        find_compiler()
+        return True
+    except SimulatorError:
+        return False
+
+
+__all__ = [
+    "metal_kernel",
+    "SimKernel",
+    "is_available",
+    "cache_dir",
+    "clear_memory_cache",
+    "find_clang",
+    "find_compiler",
+    "SimulatorError",
+    "SimulatorSetupError",
+    "MetalCompileError",
+    "KernelRuntimeError",
+    "OutOfBoundsError",
+    "UnwrittenOutputError",
+    "UninitializedReadError",
+    "SimdDivergenceError",
+    "BarrierDivergenceError",
+    "DataRaceError",
+    "KernelCrashError",
+]

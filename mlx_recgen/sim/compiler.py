@@ -1,0 +1,245 @@
+"""Compile simulator kernels with the host C++ compiler, with a two-level cache.
+
+* in-process: ``{hash of the C++ text: loaded library}``;
+* on disk: ``$MLX_RECGEN_SIM_CACHE`` or ``$XDG_CACHE_HOME/mlx-recgen/sim`` or
+  ``~/.cache/mlx-recgen/sim``; files are written to a temporary name and renamed,
+  so concurrent test processes can share the directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+from .errors import MetalCompileError, SimulatorSetupError
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+_VERSION = "1"
+
+_lock = threading.RLock()
+_libs: dict[str, ctypes.CDLL] = {}
+_runtime: ctypes.CDLL | None = None
+_compiler: str | None = None
+_clang: str | None | bool = False  # False: not looked up yet
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("MLX_RECGEN_SIM_CACHE")
+    if d:
+        p = Path(d)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        p = Path(base) / "mlx-recgen" / "sim"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def find_compiler() -> str:
+    """The C++ compiler: $MLX_RECGEN_SIM_CXX, else g++, else clang++, else c++."""
+    global _compiler
+    if _compiler:
+        return _compiler
+    env = os.environ.get("MLX_RECGEN_SIM_CXX")
+    cands = [env] if env else ["g++", "clang++", "c++"]
+    for c in cands:
+        path = shutil.which(c) if c else None
+        if path:
+            _compiler = path
+            return path
+    raise SimulatorSetupError(
+        "the Metal simulator needs a C++17 compiler (clang++ or g++); none found on PATH"
+    )
+
+
+def find_clang() -> str | None:
+    """clang++ for the address-space pass (None if absent)."""
+    global _clang
+    if _clang is False:
+        _clang = shutil.which("clang++") or None
+        if _clang is None:
+            for v in range(20, 13, -1):
+                p = shutil.which(f"clang++-{v}")
+                if p:
+                    _clang = p
+                    break
+    return _clang  # type: ignore[return-value]
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except Exception:  # pragma: no cover
+        out = cxx
+    return out.splitlines()[0] if out else cxx
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha256(_VERSION.encode())
+    for name in ("msl_rt.h", "msl_shim.h", "msl_runtime.cpp", "msl_addrspace.h"):
+        p = CSRC / name
+        if p.exists():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+_SRC_HASH = None
+
+
+def sources_hash() -> str:
+    global _SRC_HASH
+    if _SRC_HASH is None:
+        _SRC_HASH = _sources_hash()
+    return _SRC_HASH
+
+
+def _atomic_compile(cmd_tail: list[str], src_text: str, out_path: Path, suffix: str,
+                    cxx: str) -> subprocess.CompletedProcess:
+    d = out_path.parent
+    fd, tmp_src = tempfile.mkstemp(suffix=suffix, dir=d)
+    with os.fdopen(fd, "w") as f:
+        f.write(src_text)
+    tmp_out = str(out_path) + f".tmp{os.getpid()}.{threading.get_ident()}"
+    try:
+        proc = subprocess.run([cxx, tmp_src, "-o", tmp_out] + cmd_tail,
+                              capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp_out, out_path)
+        proc.tmp_src = tmp_src  # type: ignore[attr-defined]
+        return proc
+    finally:
+        for p in (tmp_src, tmp_out):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+def runtime() -> ctypes.CDLL:
+    """Build (once) and load the simulator runtime library (RTLD_GLOBAL)."""
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        cxx = find_compiler()
+        key = hashlib.sha256((sources_hash() + _compiler_id(cxx)).encode()).hexdigest()[:24]
+        path = cache_dir() / f"libmslsim_rt-{key}.so"
+        if not path.exists():
+            src = (CSRC / "msl_runtime.cpp").read_text()
+            proc = _atomic_compile(
+                ["-std=c++17", "-O2", "-fPIC", "-shared", f"-I{CSRC}", "-x", "c++"],
+                src, path, ".cpp", cxx)
+            if proc.returncode != 0:
+                raise SimulatorSetupError("building the simulator runtime failed:\n" + proc.stderr)
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib.msl_launch.restype = ctypes.c_int
+        lib.msl_launch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        _runtime = lib
+        return lib
+
+
+KERNEL_FLAGS = ["-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-fno-exceptions",
+                "-fwrapv", "-fno-strict-aliasing", "-w"]
+
+
+def _format_diagnostics(stderr: str, msl_name: str, msl_text: str, tmp_src: str) -> str:
+    lines = msl_text.splitlines()
+    out = []
+    for ln in stderr.splitlines():
+        ln = ln.replace(tmp_src, "<sim-tu>")
+        ln = re.sub(r"\S*/csrc/", "", ln)
+        out.append(ln)
+        m = re.match(re.escape(msl_name) + r":(\d+):(\d+): (?:fatal )?error", ln)
+        if m:
+            k = int(m.group(1))
+            if 1 <= k <= len(lines):
+                out.append(f"  {k} | {lines[k - 1]}")
+    text = "\n".join(out)
+    if len(out) > 80:
+        text = "\n".join(out[:80]) + f"\n... ({len(out) - 80} more lines)"
+    return text
+
+
+def compile_kernel(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> ctypes.CDLL:
+    """Compile the C++ translation unit ``tu`` (built from ``msl_text``) and load it."""
+    runtime()
+    cxx = find_compiler()
+    key = hashlib.sha256(
+        (tu + "\0" + sources_hash() + "\0" + " ".join(KERNEL_FLAGS) + "\0" + cxx).encode()
+    ).hexdigest()[:32]
+    with _lock:
+        lib = _libs.get(key)
+        if lib is not None:
+            return lib
+        path = cache_dir() / f"k-{key}.so"
+        if not path.exists():
+            proc = _atomic_compile(KERNEL_FLAGS + [f"-I{CSRC}", f"-I{CSRC / 'include'}", "-lm"],
+                                   tu, path, ".cpp", cxx)
+            if proc.returncode != 0:
+                msg = _format_diagnostics(proc.stderr, msl_name, msl_text,
+                                          getattr(proc, "tmp_src", ""))
+                raise MetalCompileError(
+                    f"kernel `{kernel_name}` failed to compile:\n{msg}", kernel=kernel_name)
+        lib = ctypes.CDLL(str(path))
+        _libs[key] = lib
+        return lib
+
+
+def addrspace_check(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> None:
+    """Syntax-only clang pass with address-space attributes; reports only
+    address-space diagnostics (everything else is the main pass's business)."""
+    clang = find_clang()
+    if clang is None:
+        return
+    key = hashlib.sha256((tu + sources_hash() + clang).encode()).hexdigest()[:32]
+    ok_marker = cache_dir() / f"as-{key}.ok"
+    if ok_marker.exists():
+        return
+    fd, tmp = tempfile.mkstemp(suffix=".cpp", dir=cache_dir())
+    with os.fdopen(fd, "w") as f:
+        f.write(tu)
+    try:
+        proc = subprocess.run(
+            [clang, "-std=c++17", "-fsyntax-only", "-ferror-limit=0", f"-I{CSRC}",
+             f"-I{CSRC / 'include'}", "-Wno-everything", tmp],
+            capture_output=True, text=True)
+    finally:
+        os.unlink(tmp)
+    errs = []
+    lines = msl_text.splitlines()
+    for ln in proc.stderr.splitlines():
+        if "address space" in ln and "error" in ln and msl_name in ln:
+            errs.append(ln)
+            m = re.match(re.escape(msl_name) + r":(\d+):", ln)
+            if m and 1 <= int(m.group(1)) <= len(lines):
+                errs.append(f"  {m.group(1)} | {lines[int(m.group(1)) - 1]}")
+    if errs:
+        raise MetalCompileError(
+            f"kernel `{kernel_name}`: address-space error (Metal rejects mixing "
+            f"device/constant/threadgroup/thread pointers):\n" + "\n".join(errs),
+            kernel=kernel_name)
+    try:
+        ok_marker.touch()
+    except OSError:  # pragma: no cover
+        pass
+
+
+def clear_memory_cache() -> None:
+    """Forget loaded kernels (the disk cache stays)."""
+    with _lock:
+        _libs.clear()
+
+
+def warn_no_clang_once() -> None:
+    if find_clang() is None and not getattr(warn_no_clang_once, "done", False):
+        warn_no_clang_once.done = True  # type: ignore[attr-defined]
+        warnings.warn(
+            "clang++ not found: the Metal simulator skips its address-space check "
+            "(install clang to enable it)", RuntimeWarning, stacklevel=3)
