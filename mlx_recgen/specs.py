@@ -6,15 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from .errors import SpecError
-
-
-def specs_dir() -> Path:
-    """The bundled ``specs/`` folder (inside the wheel, or at the top of a source checkout)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "specs", here.parent / "specs"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("the bundled specs/ folder is missing from this installation")
+from .resources import specs_dir
 
 
 def list_specs() -> list:
