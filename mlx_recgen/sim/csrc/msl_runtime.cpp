@@ -145,6 +145,15 @@ struct Rt {
   std::string msg;
   bool check_races = true;
   Thread* cur = nullptr;
+  // reads of never-written elements; reported at the next threadgroup barrier or at
+  // the end of the group unless a racing write by another thread is found first.
+  struct Pending {
+    const Buf* b;
+    uint64_t e;
+    uint32_t tid;
+    int mode;
+  };
+  std::vector<Pending> pending;
 #if defined(__x86_64__)
   void* sched_sp = nullptr;
 #else
@@ -326,6 +335,37 @@ std::string where(const Thread* t) {
   }
 }
 
+static const char* mode_name(int m) {
+  switch (m) {
+    case kRead: return "read";
+    case kWrite: return "write";
+    case kAtomicLoad: return "atomic load";
+    case kAtomicStore: return "atomic store";
+    default: return "atomic read-modify-write";
+  }
+}
+
+static std::string buf_label(const Buf* b) {
+  const char* k = b->kind == kInput ? "input" : b->kind == kOutput ? "output"
+                  : b->kind == kThreadgroup ? "threadgroup array" : "argument";
+  return fmt("%s `%s`", k, b->name);
+}
+
+// Report the first read of a never-written element still pending.
+bool flush_pending() {
+  if (g_rt.pending.empty()) return true;
+  const Rt::Pending& p = g_rt.pending.front();
+  const bool tgm = p.b->space == 1;
+  set_error(kErrUninit,
+            kname() + ": " + describe(p.tid) + ": " +
+                fmt("%s of %s element %llu, which no thread had written (%s)", mode_name(p.mode),
+                    buf_label(p.b).c_str(), (unsigned long long)p.e,
+                    tgm ? "threadgroup memory starts uninitialised: missing write or barrier?"
+                        : "outputs start uninitialised without init_value"));
+  g_rt.pending.clear();
+  return false;
+}
+
 uint32_t tid_of(uint32_t lid) { return (g_rt.group_linear << 10) | lid; }
 
 // Returns false on error (g_rt.err set).
@@ -342,7 +382,7 @@ bool run_group() {
       }
       if (t->state == kWaitColl || t->state == kWaitBarrier) any_blocked = true;
     }
-    if (!any_blocked) return true;
+    if (!any_blocked) return flush_pending();
 
     // Simdgroup-level: collectives and simdgroup barriers.
     bool progressed = false;
@@ -431,6 +471,7 @@ bool run_group() {
         return false;
       }
     }
+    if (!flush_pending()) return false;
     if (first->bflags & 2) {
       g_rt.G_tg++;
       for (uint32_t s = 0; s < nsimd; ++s) g_rt.S_tg[s]++;
@@ -541,22 +582,6 @@ static inline bool concurrent(const Acc& a, uint32_t tid, uint32_t G, uint32_t S
   return a.g == G;
 }
 
-static const char* mode_name(int m) {
-  switch (m) {
-    case kRead: return "read";
-    case kWrite: return "write";
-    case kAtomicLoad: return "atomic load";
-    case kAtomicStore: return "atomic store";
-    default: return "atomic read-modify-write";
-  }
-}
-
-static std::string buf_label(const Buf* b) {
-  const char* k = b->kind == kInput ? "input" : b->kind == kOutput ? "output"
-                  : b->kind == kThreadgroup ? "threadgroup array" : "argument";
-  return fmt("%s `%s`", k, b->name);
-}
-
 void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode) {
   if (!b) return;
   if (off < 0 || (uint64_t)off + size > b->nbytes) {
@@ -582,10 +607,13 @@ void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode) {
     const bool reads = mode == kRead || mode == kAtomicLoad || mode == kAtomicRMW;
     const bool writes = mode == kWrite || mode == kAtomicStore || mode == kAtomicRMW;
     if (reads && b->uninit_check && sh.w.tid == kNoThread) {
-      fail_here(kErrUninit, fmt("%s of %s element %llu, which no thread has written (%s)",
-                                mode_name(mode), buf_label(b).c_str(), (unsigned long long)e,
-                                tgm ? "threadgroup memory starts uninitialised"
-                                    : "outputs start uninitialised without init_value"));
+      if (!races) {
+        fail_here(kErrUninit, fmt("%s of %s element %llu, which no thread has written (%s)",
+                                  mode_name(mode), buf_label(b).c_str(), (unsigned long long)e,
+                                  tgm ? "threadgroup memory starts uninitialised"
+                                      : "outputs start uninitialised without init_value"));
+      }
+      if (g_rt.pending.size() < 4096) g_rt.pending.push_back(Rt::Pending{b, e, tid, mode});
     }
     if (races) {
       bool w_atomic = sh.flags & 1;
@@ -666,6 +694,7 @@ int msl_launch(const LaunchDesc* d, char* err, int errlen) {
   g_rt.desc = d;
   g_rt.err = kOk;
   g_rt.msg.clear();
+  g_rt.pending.clear();
   g_rt.check_races = d->check_races != 0;
   for (int i = 0; i < d->nbufs; ++i) {
     auto* lb = new LaunchBuf();
@@ -785,11 +814,18 @@ int msl_launch(const LaunchDesc* d, char* err, int errlen) {
           ++missing;
         }
       if (missing) {
+        uint64_t gx = d->grid[0], gy = d->grid[1], gz = d->grid[2];
+        std::string who;
+        if (first < gx * gy * gz) {
+          who = fmt("; with one element per thread, that is thread (%llu,%llu,%llu)",
+                    (unsigned long long)(first % gx), (unsigned long long)((first / gx) % gy),
+                    (unsigned long long)(first / (gx * gy)));
+        }
         set_error(kErrUnwritten,
                   kname() + fmt(": output `%s` element %llu was never written by any thread "
                                 "(%llu of %llu elements unwritten; no init_value given)",
                                 lb->buf.name, (unsigned long long)first,
-                                (unsigned long long)missing, (unsigned long long)ne));
+                                (unsigned long long)missing, (unsigned long long)ne) + who);
         break;
       }
     }
