@@ -22,6 +22,7 @@ class Dialect:
     simd_sum: str  # sum over the 32 threads of a simdgroup / warp
     function: str  # qualifier of helper functions
     int64: str
+    uint: str
     math: dict = field(default_factory=dict)
     prelude: str = ""  # target-only helpers, placed in the header
 
@@ -44,6 +45,7 @@ METAL = Dialect(
     simd_sum="simd_sum",
     function="inline",
     int64="int64_t",
+    uint="uint",
     math={k: ("metal::" + v if not v.startswith("recgen_") else v) for k, v in _COMMON_MATH.items()},
     prelude="""\
 // MSL has no log1p: log(1 + x) with the rounding error of 1 + x cancelled.
@@ -65,6 +67,7 @@ CUDA = Dialect(
     simd_sum="recgen_warp_sum",
     function="__device__ inline",
     int64="int64_t",
+    uint="unsigned int",
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
           "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus"},
