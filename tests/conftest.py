@@ -1,0 +1,32 @@
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Fresh, reproducible random inputs in every test."""
+    mx.random.seed(1234)
+    np.random.seed(1234)
+    yield
+
+
+def rel_err(a, b, dtype=np.float64) -> float:
+    """‖a − b‖ / ‖b‖, computed in ``dtype`` (float64 by default, or float32)."""
+    def as_np(x):
+        if isinstance(x, mx.array):
+            x = np.array(x.astype(mx.float32))
+        return np.asarray(x, dtype=dtype)
+
+    a, b = as_np(a), as_np(b)
+    assert a.shape == b.shape, f"shape mismatch {a.shape} vs {b.shape}"
+    den = np.linalg.norm(b.ravel())
+    assert den > 0, "reference is identically zero: the comparison would prove nothing"
+    return float(np.linalg.norm((a - b).ravel()) / den)
