@@ -260,4 +260,6 @@ def test_address_space_mismatch():
     """
     with pytest.raises(sim.MetalCompileError) as e:
         run("aspace", src)
-    assert "address space" in str(e.value)
+    assert "address-space" in str(e.value) and "device float *" in str(e.value)
+    names = str(e.value)
+    assert "custom_kernel_aspace" in names

@@ -215,11 +215,12 @@ def addrspace_check(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> 
     errs = []
     lines = msl_text.splitlines()
     for ln in proc.stderr.splitlines():
-        if "address space" in ln and "error" in ln and msl_name in ln:
-            errs.append(ln)
-            m = re.match(re.escape(msl_name) + r":(\d+):", ln)
-            if m and 1 <= int(m.group(1)) <= len(lines):
-                errs.append(f"  {m.group(1)} | {lines[int(m.group(1)) - 1]}")
+        if not ln.startswith(msl_name) or not _is_addrspace_diag(ln):
+            continue
+        errs.append(ln)
+        m = re.match(re.escape(msl_name) + r":(\d+):", ln)
+        if m and 1 <= int(m.group(1)) <= len(lines):
+            errs.append(f"  {m.group(1)} | {lines[int(m.group(1)) - 1]}")
     if errs:
         raise MetalCompileError(
             f"kernel `{kernel_name}`: address-space error (Metal rejects mixing "
@@ -229,6 +230,21 @@ def addrspace_check(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> 
         ok_marker.touch()
     except OSError:  # pragma: no cover
         pass
+
+
+_QUOTED_PTR = re.compile(r"'((?:const |volatile )*)(device |constant |threadgroup )?[^']*\*[^']*'")
+
+
+def _is_addrspace_diag(line: str) -> bool:
+    """Does a clang diagnostic line report mixing address spaces?"""
+    if "error:" not in line and "note:" not in line:
+        return False
+    if "automatic variable qualified with an address space" in line:
+        return False
+    if "address space" in line:
+        return True
+    spaces = {(m.group(2) or "thread").strip() for m in _QUOTED_PTR.finditer(line)}
+    return len(spaces) >= 2
 
 
 def clear_memory_cache() -> None:

@@ -145,7 +145,7 @@ def build_translation_unit(kname: str, text: str, template, params) -> tuple[str
     as_tu = (
         '#include "msl_addrspace.h"\n'
         f'#line 1 "{msl_name}"\n'
-        + to_addrspace_cpp(body)
+        + to_addrspace_cpp(text)
         + "\n"
     )
     return tu, as_tu

@@ -169,7 +169,7 @@ constexpr bool lowp_op_v =
 namespace metal {
 #define MSL_LOWP_BINOP(OP)                                                                   \
   template <class A, class B, std::enable_if_t<::msl::lowp_op_v<A, B>, int> = 0>             \
-  constexpr auto operator OP(const A& a, const B& b) {                                       \
+  constexpr auto operator OP(A a, B b) {                                                       \
     using VA = ::msl::value_of_t<A>;                                                         \
     using VB = ::msl::value_of_t<B>;                                                         \
     using R = typename lowp_result<VA, VB>::type;                                            \
@@ -182,7 +182,7 @@ MSL_LOWP_BINOP(/)
 #undef MSL_LOWP_BINOP
 #define MSL_LOWP_CMP(OP)                                                         \
   template <class A, class B, std::enable_if_t<::msl::lowp_op_v<A, B>, int> = 0> \
-  constexpr bool operator OP(const A& a, const B& b) {                           \
+  constexpr bool operator OP(A a, B b) {                                         \
     using VA = ::msl::value_of_t<A>;                                             \
     using VB = ::msl::value_of_t<B>;                                             \
     return (float)(VA)a OP(float)(VB) b;                                         \
@@ -973,6 +973,24 @@ struct tgsite {
 // atomic operations
 // ---------------------------------------------------------------------------
 namespace metal {
+#ifdef MSL_ADDRSPACE_PASS
+// syntax-only pass: any pointer to an atomic (in any address space) is accepted
+#define MSL_ATOMIC_ANY(NAME) \
+  template <class P, class U, class... M> inline auto NAME(P o, U val, M...) { auto r = o->v; (void)val; return r; }
+MSL_ATOMIC_ANY(atomic_fetch_add_explicit)
+MSL_ATOMIC_ANY(atomic_fetch_sub_explicit)
+MSL_ATOMIC_ANY(atomic_fetch_max_explicit)
+MSL_ATOMIC_ANY(atomic_fetch_min_explicit)
+MSL_ATOMIC_ANY(atomic_fetch_and_explicit)
+MSL_ATOMIC_ANY(atomic_fetch_or_explicit)
+MSL_ATOMIC_ANY(atomic_fetch_xor_explicit)
+MSL_ATOMIC_ANY(atomic_exchange_explicit)
+#undef MSL_ATOMIC_ANY
+template <class P, class U, class... M> inline void atomic_store_explicit(P o, U val, M...) { (void)o; (void)val; }
+template <class P, class... M> inline auto atomic_load_explicit(P o, M...) { auto r = o->v; return r; }
+template <class P, class E, class U, class... M>
+inline bool atomic_compare_exchange_weak_explicit(P o, E e, U d, M...) { (void)o; (void)e; (void)d; return true; }
+#else
 #define MSL_ATOMIC_RMW(NAME, EXPR)                                                  \
   template <class T, class U>                                                       \
   inline T NAME(::msl::ptr<atomic<T>> o, U val, memory_order = memory_order_relaxed) { \
@@ -1040,6 +1058,8 @@ inline bool atomic_compare_exchange_weak_explicit(atomic<T>* o, E expected, U de
                                                   memory_order b = memory_order_relaxed) {
   return atomic_compare_exchange_weak_explicit(::msl::ptr<atomic<T>>(o), expected, desired, a, b);
 }
+
+#endif  // MSL_ADDRSPACE_PASS
 
 // ---------------------------------------------------------------------------
 // simd collectives
@@ -1194,7 +1214,7 @@ inline T coll(int op, const T& x, int64_t arg, int line, int col, const T* x2 = 
 
 #define MSL_COLL1(NAME, OP)                                                        \
   template <class T>                                                               \
-  inline ::msl::value_of_t<T> NAME(const T& x, int line = __builtin_LINE(),        \
+  inline ::msl::value_of_t<T> NAME(T x, int line = __builtin_LINE(),              \
                                    int col = MSL_COLUMN()) {                 \
     ::msl::value_of_t<T> v = x;                                                    \
     return sim_detail::coll(sim_detail::OP, v, 0, line, col);                      \
@@ -1215,7 +1235,7 @@ MSL_COLL1(simd_broadcast_first, kBroadcastFirst)
 
 #define MSL_COLL2(NAME, OP)                                                          \
   template <class T, class I>                                                        \
-  inline ::msl::value_of_t<T> NAME(const T& x, I arg, int line = __builtin_LINE(),   \
+  inline ::msl::value_of_t<T> NAME(T x, I arg, int line = __builtin_LINE(),         \
                                    int col = MSL_COLUMN()) {                   \
     ::msl::value_of_t<T> v = x;                                                      \
     return sim_detail::coll(sim_detail::OP, v, (int64_t)(::msl::value_of_t<I>)arg, line, col); \
@@ -1230,14 +1250,14 @@ MSL_COLL2(simd_broadcast, kBroadcast)
 #undef MSL_COLL2
 
 template <class T, class I>
-inline ::msl::value_of_t<T> simd_shuffle_and_fill_up(const T& x, const T& fill, I d,
+inline ::msl::value_of_t<T> simd_shuffle_and_fill_up(T x, T fill, I d,
                                                      int line = __builtin_LINE(),
                                                      int col = MSL_COLUMN()) {
   ::msl::value_of_t<T> v = x, f = fill;
   return sim_detail::coll(sim_detail::kFillUp, v, (int64_t)d, line, col, &f);
 }
 template <class T, class I>
-inline ::msl::value_of_t<T> simd_shuffle_and_fill_down(const T& x, const T& fill, I d,
+inline ::msl::value_of_t<T> simd_shuffle_and_fill_down(T x, T fill, I d,
                                                        int line = __builtin_LINE(),
                                                        int col = MSL_COLUMN()) {
   ::msl::value_of_t<T> v = x, f = fill;
@@ -1335,6 +1355,16 @@ struct Limits<bool> {
   static constexpr bool min = false;
 };
 
+#ifdef MSL_ADDRSPACE_PASS
+template <typename IdxT = int64_t, typename E, typename P, typename Q>
+inline IdxT elem_to_loc(E elem, P shape, Q strides, int ndim) { (void)shape[0]; (void)strides[0]; return IdxT(elem) + ndim; }
+template <typename IdxT = int64_t, typename Q>
+inline IdxT elem_to_loc_1(uint elem, Q stride) { return elem * IdxT(stride); }
+template <typename IdxT = int64_t, typename Q>
+inline IdxT elem_to_loc_2(uint2 elem, Q strides) { return elem.x * IdxT(strides[1]); }
+template <typename IdxT = int64_t, typename Q>
+inline IdxT elem_to_loc_3(uint3 elem, Q strides) { return elem.x * IdxT(strides[2]); }
+#else
 template <typename IdxT = int64_t, typename E>
 inline IdxT elem_to_loc(E elem_, ::msl::ptr<const int> shape, ::msl::ptr<const int64_t> strides,
                         int ndim) {
@@ -1368,6 +1398,8 @@ template <typename IdxT = int64_t>
 inline IdxT elem_to_loc_3(uint3 elem, ::msl::ptr<const int64_t> strides) {
   return elem.x * IdxT(strides[2]) + elem.y * IdxT(strides[1]) + elem.z * IdxT(strides[0]);
 }
+
+#endif  // MSL_ADDRSPACE_PASS
 
 template <typename T, typename U>
 inline T ceildiv(T N, U M) {
@@ -1409,8 +1441,14 @@ inline metal::half half_lit(float f) { return metal::half(f); }
 // Address-space qualifiers: the rewriter turns qualified pointer types into
 // ::msl::ptr<...> and threadgroup declarations into ::msl::tgsite; what is
 // left of the keywords means nothing on a CPU.
+#ifdef MSL_ADDRSPACE_PASS
+#define device __attribute__((address_space(1)))
+#define constant __attribute__((address_space(2)))
+#define threadgroup __attribute__((address_space(3)))
+#else
 #define device
 #define constant
 #define threadgroup
+#endif
 #define thread
 #define kernel
