@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 
 from .errors import SpecError
@@ -55,5 +56,7 @@ def load_spec(name_or_path):
     else:
         raise SpecError(path.stem, f"{path} defines {len(found)} recurrences {list(found)}; "
                                    "name one as path.py:name")
+    if not rec.spec.doc and module.__doc__:
+        rec.spec.doc = inspect.cleandoc(module.__doc__)
     _cache[key] = rec
     return rec
