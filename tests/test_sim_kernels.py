@@ -405,3 +405,52 @@ def test_performance_budget():
     for t in range(32):
         acc = acc * np.float32(0.9) + xn[:, t]
     np.testing.assert_allclose(np.array(out), acc.ravel(), rtol=1e-6)
+
+
+def test_common_msl_idioms():
+    header = """
+    inline float tg_sum(threadgroup float* buf, uint tid, uint n) {
+        float s = 0.0f;
+        for (uint k = 0; k < n; ++k) s += buf[k];
+        return s + 0.0f * tid;
+    }
+    inline float first4(const device float4* v) { return v[0].x + v[0].w; }
+    """
+    src = """
+        uint tid = thread_index_in_threadgroup;
+        uint i = thread_position_in_grid.x;
+        threadgroup float buf[32];
+        float v = x[i];
+        // shuffle-down tree reduction
+        float r = v;
+        for (ushort off = 16; off > 0; off >>= 1) {
+            r += simd_shuffle_down(r, off);
+        }
+        buf[tid] = v;
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float s = tg_sum(buf, tid, 32);
+        const device float4* x4 = reinterpret_cast<const device float4*>(x);
+        float4 q = x4[1];
+        float m = -metal::numeric_limits<float>::infinity();
+        m = metal::max(m, Limits<float>::min);
+        uint bits = as_type<uint>(v);
+        out[i * 6 + 0] = tid == 0 ? r : 0.0f;
+        out[i * 6 + 1] = s;
+        out[i * 6 + 2] = q.y + first4(x4);
+        out[i * 6 + 3] = m;
+        out[i * 6 + 4] = as_type<float>(bits);
+        out[i * 6 + 5] = static_cast<float>(static_cast<bfloat16_t>(v) * 2);
+    """
+    k = sim.metal_kernel("idioms", ["x"], ["out"], src, header=header)
+    x = randn(32)
+    (out,) = k(inputs=[mx.array(x)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+               output_shapes=[(32, 6)], output_dtypes=[mx.float32])
+    out = np.array(out)
+    assert abs(out[0, 0] - x.sum()) < 1e-4
+    np.testing.assert_allclose(out[:, 1], x.sum(), rtol=1e-5)
+    np.testing.assert_array_equal(out[:, 2], x[5] + x[0] + x[3])
+    assert (out[:, 3] == -np.inf).all()
+    np.testing.assert_array_equal(out[:, 4], x)
+    bf = np.array((mx.array(x).astype(mx.bfloat16) * 2).astype(mx.float32))
+    np.testing.assert_array_equal(out[:, 5], bf)

@@ -146,7 +146,7 @@ def runtime() -> ctypes.CDLL:
 
 
 KERNEL_FLAGS = ["-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-fno-exceptions",
-                "-fwrapv", "-fno-strict-aliasing", "-w"]
+                "-fwrapv", "-fno-strict-aliasing", "-fstack-clash-protection", "-w"]
 
 
 def _format_diagnostics(stderr: str, msl_name: str, msl_text: str, tmp_src: str) -> str:

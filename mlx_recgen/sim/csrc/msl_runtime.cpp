@@ -519,7 +519,8 @@ void crash_handler(int sig, siginfo_t* info, void*) {
   if (t && info) {
     char* a = (char*)info->si_addr;
     char* lo = t->stack - kGuard;
-    if (a >= lo && a < t->stack + 64) stack = true;
+    if (a >= lo && a < t->stack + 256) stack = true;
+    if (a >= g_stacks && a < g_stacks + g_nstacks * (kStackSize + kGuard)) stack = true;
   }
   set_error(kErrCrash,
             kname() + ": " + who + ": " +
