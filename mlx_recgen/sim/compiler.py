@@ -38,7 +38,13 @@ def cache_dir() -> Path:
     else:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         p = Path(base) / "mlx-recgen" / "sim"
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        if not os.access(p, os.W_OK):
+            raise PermissionError(str(p))
+    except OSError:
+        p = Path(tempfile.gettempdir()) / f"mlx-recgen-sim-{os.getuid()}"
+        p.mkdir(parents=True, exist_ok=True)
     return p
 
 
