@@ -264,3 +264,29 @@ def value_and_grads(fn, inputs, h0, Wy, Wh):
     grads = mx.grad(loss, argnums=tuple(range(len(inputs) + 1)))(*inputs, h0)
     mx.eval(y, h, grads)
     return y, h, list(grads)
+
+
+def np_scalar_sum(x, C, h0):
+    """h[p,n] <- 0.5 h[p,n] + C[n] x[p];  y[p] = sum_n C[n] h[p,n] + sum_n x[p] (= N x[p]).
+
+    x [b,L,P], C [b,L,N]; state [b,P,N]."""
+    h = h0.copy()
+    N = C.shape[-1]
+    ys = []
+    for t in range(x.shape[1]):
+        h = 0.5 * h + C[:, t][:, None, :] * x[:, t][:, :, None]
+        ys.append(np.einsum("bpn,bn->bp", h, C[:, t]) + N * x[:, t])
+    return [np.stack(ys, axis=1)], [h]
+
+
+def np_normalized(q, k, v, g, S0, m0):
+    """m <- g m + sum_n k[n] S[p,n] (old S);  S[p,n] <- g S[p,n] + k[n] v[p] / (1 + m^2) (new m);
+    y[p] = sum_n q[n] S[p,n] / (1 + m^2).  q, k [b,L,N], v [b,L,P], g [b,L]; S [b,P,N], m [b,P]."""
+    S, m = S0.copy(), m0.copy()
+    ys = []
+    for t in range(q.shape[1]):
+        gt = g[:, t][:, None]
+        m = gt * m + np.einsum("bpn,bn->bp", S, k[:, t])
+        S = gt[..., None] * S + k[:, t][:, None, :] * (v[:, t] / (1 + m * m))[..., None]
+        ys.append(np.einsum("bpn,bn->bp", S, q[:, t]) / (1 + m * m))
+    return [np.stack(ys, axis=1)], [S, m]

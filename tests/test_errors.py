@@ -1,0 +1,337 @@
+"""Errors: bad call inputs raise TypeError/ValueError naming the argument and the problem; bad
+specs raise SpecError at decoration time naming the spec, the symbol and the problem."""
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import sympy
+
+import mlx_recgen as rg
+from mlx_recgen import Sum
+from references import ssd_inputs
+
+# ---------------------------------------------------------------------------------------------
+# Bad call inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ssd():
+    (u, delta, B, C, A), h0 = ssd_inputs(b=2, L=5, H=3, P=4, N=6)
+    return rg.load_spec("ssd"), [u, delta, B, C, A], h0
+
+
+def call(rec, args, **kw):
+    return rec(*args, backend="mlx", **kw)
+
+
+def test_wrong_rank(ssd):
+    rec, (u, delta, B, C, A), _ = ssd
+    with pytest.raises(ValueError, match=r"ssd\(\): argument 'u' has shape \(5, 3, 4\) \(3 axes\); "
+                                         r"expected 4 axes \(B L H P\)"):
+        call(rec, [u[0], delta, B, C, A])
+    with pytest.raises(ValueError, match=r"argument 'A' .*expected 2 axes \(H N\)"):
+        call(rec, [u, delta, B, C, A[None]])
+
+
+def test_mismatched_axis_sizes(ssd):
+    rec, (u, delta, B, C, A), _ = ssd
+    with pytest.raises(ValueError, match=r"axis N has size 5 in 'C' \(2, 5, 3, 5\) but 6 in 'B'"):
+        call(rec, [u, delta, B, C[..., :5], A])
+    with pytest.raises(ValueError, match=r"axis L has size 4 in 'delta'.* but 5 in 'u'"):
+        call(rec, [u, delta[:, :4], B, C, A])
+    with pytest.raises(ValueError, match=r"axis H has size 2 in 'A'"):
+        call(rec, [u, delta, B, C, A[:2]])
+
+
+@pytest.mark.parametrize("dtype", [mx.int32, mx.bool_, mx.uint8])
+def test_integer_dtype(ssd, dtype):
+    rec, (u, delta, B, C, A), _ = ssd
+    with pytest.raises(TypeError, match=r"argument 'A' has dtype \w+; expected float32, float16 "
+                                        r"or bfloat16"):
+        call(rec, [u, delta, B, C, A.astype(dtype)])
+
+
+def test_not_an_array(ssd):
+    rec, (u, delta, B, C, A), _ = ssd
+    with pytest.raises(TypeError, match=r"argument 'A' must be an mx.array, got ndarray"):
+        call(rec, [u, delta, B, C, np.array(A)])
+
+
+def test_missing_input(ssd):
+    rec, (u, delta, B, C, A), _ = ssd
+    with pytest.raises(TypeError, match=r"ssd\(\) is missing input\(s\) \['A'\]"):
+        call(rec, [u, delta, B, C])
+    with pytest.raises(TypeError, match=r"missing input\(s\) \['delta', 'C'\]"):
+        rec(u, B=B, A=A, backend="mlx")
+
+
+def test_unexpected_keyword_and_extra_positional(ssd):
+    rec, args, _ = ssd
+    with pytest.raises(TypeError, match=r"ssd\(\) got an unexpected argument 'foo'"):
+        call(rec, args, foo=args[0])
+    with pytest.raises(TypeError, match=r"ssd\(\) takes 5 inputs .*, got 6"):
+        call(rec, args + [args[-1]])
+    with pytest.raises(TypeError, match=r"got input 'A' twice"):
+        call(rec, args, A=args[-1])
+    with pytest.raises(TypeError, match=r"unexpected argument 'seg'"):
+        rec.reference(*args, seg=4)
+
+
+def test_bad_initial_state(ssd):
+    rec, args, h0 = ssd
+    with pytest.raises(ValueError, match=r"argument 'initial_state' has shape \(2, 3, 4\) "
+                                         r"\(3 axes\); expected 4 axes \(B H P N\)"):
+        call(rec, args, initial_state=h0[..., 0])
+    with pytest.raises(ValueError, match=r"axis N has size 5 in 'initial_state'"):
+        call(rec, args, initial_state=h0[..., :5])
+    with pytest.raises(ValueError, match=r"axis B has size 1 in 'initial_state'"):
+        call(rec, args, initial_state=h0[:1])
+    with pytest.raises(TypeError, match=r"argument 'initial_state' has dtype int32"):
+        call(rec, args, initial_state=h0.astype(mx.int32))
+    with pytest.raises(TypeError, match=r"initial_state has unknown state\(s\) \['g'\]"):
+        call(rec, args, initial_state={"g": h0})
+    with pytest.raises(TypeError, match=r"initial_state must be an mx.array or a dict"):
+        call(rec, args, initial_state=[h0])
+
+
+@pytest.mark.parametrize("seg", [0, -3, 2.0, True, "8"])
+def test_bad_seg(ssd, seg):
+    rec, args, _ = ssd
+    with pytest.raises(ValueError, match=r"ssd\(\): seg must be a positive integer, got "
+                                         + re.escape(repr(seg))):
+        call(rec, args, seg=seg)
+
+
+def test_bad_backend_and_empty(ssd):
+    rec, (u, delta, B, C, A), _ = ssd
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'tpu'"):
+        rec(u, delta, B, C, A, backend="tpu")
+    with pytest.raises(ValueError, match=r"argument 'u' is empty"):
+        call(rec, [u[:, :0], delta[:, :0], B[:, :0], C[:, :0], A])
+
+
+def test_unknown_spec_name():
+    with pytest.raises(ValueError, match=r"unknown spec 'nope'; bundled specs are"):
+        rg.load_spec("nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad specs (SpecError at decoration time)
+# ---------------------------------------------------------------------------------------------
+
+SCALAR = dict(lane="D", state={"h": "B D"}, inputs={"a": "B L D", "x": "B L D"},
+              outputs={"y": "B L D"})
+VECTOR = dict(lane="P", state={"h": "B P N"}, inputs={"a": "B L P", "C": "B L N"},
+              outputs={"y": "B L P"})
+
+
+def decl(base, **changes):
+    return {**base, **changes}
+
+
+def test_spec_error_is_a_value_error():
+    assert issubclass(rg.SpecError, ValueError)
+
+
+def test_unknown_axis():
+    with pytest.raises(rg.SpecError, match=r"spec 'ua': tensor 'x': unknown axis 'Q'"):
+        @rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", "x": "B L Q"}))
+        def ua(h, a, x):
+            h = a * h + x
+            return {"y": h}
+
+
+def test_output_lacking_lane_axis():
+    with pytest.raises(rg.SpecError, match=r"spec 'nl': output 'y' lacks the lane axis 'D'"):
+        @rg.recurrence(**decl(SCALAR, outputs={"y": "B L"}))
+        def nl(h, a, x):
+            h = a * h + x
+            return {"y": h}
+
+
+def test_output_lacking_time_axis():
+    with pytest.raises(rg.SpecError, match=r"spec 'nt': output 'y' lacks the time axis 'L'"):
+        @rg.recurrence(**decl(SCALAR, outputs={"y": "B D"}))
+        def nt(h, a, x):
+            h = a * h + x
+            return {"y": h}
+
+
+def test_output_lacking_a_batch_axis():
+    """Outputs carry every batch-like axis (DESIGN, ``recurrence`` docstring). An output that
+    lacks one (here H, carried by 'y') has no defined value per H instance; the spec must be
+    rejected at definition time instead of the output being silently summed over H."""
+    with pytest.raises(rg.SpecError, match=r"spec 'omb': output 'z'.*axis 'H'"):
+        @rg.recurrence(lane="P", state={"h": "B H P"}, inputs={"a": "B L H P"},
+                       outputs={"y": "B L H P", "z": "B L P"})
+        def omb(h, a):
+            h = a * h + 1
+            return {"y": h, "z": a}
+
+
+def test_state_never_updated():
+    with pytest.raises(rg.SpecError, match=r"spec 'nv': state 'h' is never updated by the body"):
+        @rg.recurrence(**SCALAR)
+        def nv(h, a, x):
+            return {"y": a * h + x}
+    with pytest.raises(rg.SpecError, match=r"spec 'nvv': state 'h' is never updated"):
+        @rg.recurrence(**VECTOR)
+        def nvv(h, a, C, n):
+            return {"y": Sum(C[n] * h[n], n)}
+
+
+def test_output_not_returned():
+    with pytest.raises(rg.SpecError, match=r"spec 'nr': output\(s\) \['z'\] are declared but not "
+                                           r"returned"):
+        @rg.recurrence(**decl(SCALAR, outputs={"y": "B L D", "z": "B L D"}))
+        def nr(h, a, x):
+            h = a * h + x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'nr2': the body must return a dict of outputs "
+                                           r"\['y'\], got NoneType"):
+        @rg.recurrence(**SCALAR)
+        def nr2(h, a, x):
+            h = a * h + x  # noqa: F841
+    with pytest.raises(rg.SpecError, match=r"spec 'uo': the body returns undeclared outputs "
+                                           r"\['zz'\]"):
+        @rg.recurrence(**SCALAR)
+        def uo(h, a, x):
+            h = a * h + x
+            return {"y": h, "zz": h}
+
+
+@pytest.mark.parametrize("op", [sympy.floor, sympy.ceiling, sympy.sign])
+def test_non_differentiable_op(op):
+    name = op.__name__
+    with pytest.raises(rg.SpecError, match=rf"spec 'nd': state 'h' uses '{name}', which is not a "
+                                           r"differentiable op"):
+        @rg.recurrence(**SCALAR)
+        def nd(h, a, x):
+            h = op(a) * h + x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=rf"spec 'nd2': output 'y' uses '{name}'"):
+        @rg.recurrence(**SCALAR)
+        def nd2(h, a, x):
+            h = a * h + x
+            return {"y": op(h)}
+
+
+def test_state_index_outside_sum():
+    with pytest.raises(rg.SpecError, match=r"spec 'io': output 'y' depends on the state index "
+                                           r"outside a Sum\(\.\.\., n\); a scalar is required"):
+        @rg.recurrence(**VECTOR)
+        def io(h, a, C, n):
+            h[n] = a * h[n] + C[n]
+            return {"y": C[n] * h[n]}
+    with pytest.raises(rg.SpecError, match=r"spec 'iv': state 'h' uses the index 'n' as a value"):
+        @rg.recurrence(**VECTOR)
+        def iv(h, a, C, n):
+            h[n] = a * h[n] + n
+            return {"y": Sum(C[n] * h[n], n)}
+
+
+def test_scalar_state_reads_vector_outside_sum():
+    """A scalar state may not depend on the state index outside a Sum."""
+    with pytest.raises(rg.SpecError, match=r"spec 'sv': state 'm' depends on the state index "
+                                           r"outside a Sum"):
+        @rg.recurrence(lane="P", state={"h": "B P N", "m": "B P"},
+                       inputs={"a": "B L P", "C": "B L N"}, outputs={"y": "B L P"})
+        def sv(h, m, a, C, n):
+            h[n] = a * h[n] + C[n]
+            m = m + C[n]
+            return {"y": m}
+
+
+def test_body_parameter_matching_nothing():
+    with pytest.raises(rg.SpecError, match=r"spec 'ep': unknown body parameters \['bogus'\]"):
+        @rg.recurrence(**SCALAR)
+        def ep(h, a, x, bogus):
+            h = a * h + x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'epv': the body needs exactly one index "
+                                           r"parameter for the state axis 'N'.*\['bogus', 'n'\]"):
+        @rg.recurrence(**VECTOR)
+        def epv(h, a, C, bogus, n):
+            h[n] = a * h[n] + C[n]
+            return {"y": Sum(C[n] * h[n], n)}
+    with pytest.raises(rg.SpecError, match=r"spec 'mp': the body has no parameter for \['x'\]"):
+        @rg.recurrence(**SCALAR)
+        def mp(h, a):
+            h = a * h
+            return {"y": h}
+
+
+def test_several_state_axes():
+    with pytest.raises(rg.SpecError, match=r"spec 'sa': states carry several state axes "
+                                           r"\['N', 'M'\]"):
+        @rg.recurrence(lane="P", state={"h": "B P N M"}, inputs={"a": "B L P"},
+                       outputs={"y": "B L P"})
+        def sa(h, a, n):
+            h[n] = a * h[n]
+            return {"y": a}
+    with pytest.raises(rg.SpecError, match=r"spec 'sa2': states carry several state axes"):
+        @rg.recurrence(lane="P", state={"h": "B P N", "g": "B P M"}, inputs={"a": "B L P"},
+                       outputs={"y": "B L P"})
+        def sa2(h, g, a, n):
+            h[n] = a * h[n]
+            return {"y": a}
+
+
+def test_other_malformed_specs():
+    with pytest.raises(rg.SpecError, match=r"spec 'lt': lane and time are the same axis 'L'"):
+        @rg.recurrence(lane="L", state={"h": "B L"}, inputs={"a": "B L"}, outputs={"y": "B L"})
+        def lt(h, a):
+            h = a * h
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'snl': state 'h' lacks the lane axis 'D'"):
+        @rg.recurrence(**decl(SCALAR, state={"h": "B"}))
+        def snl(h, a, x):
+            h = h + 1
+            return {"y": a * h + x}
+    with pytest.raises(rg.SpecError, match=r"spec 'st': state 'h' must not carry the time axis"):
+        @rg.recurrence(**decl(SCALAR, state={"h": "B L D"}))
+        def st(h, a, x):
+            h = a * h + x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'da': tensor 'a': an axis appears twice"):
+        @rg.recurrence(**decl(SCALAR, inputs={"a": "B L D D", "x": "B L D"}))
+        def da(h, a, x):
+            h = a * h + x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'rv': state 'h' has index axes; update it with "
+                                           r"h\[\.\.\.\] = \.\.\., not by rebinding"):
+        @rg.recurrence(**VECTOR)
+        def rv(h, a, C, n):
+            h = a  # noqa: F841
+            return {"y": a}
+    with pytest.raises(rg.SpecError, match=r"spec 'ai': input 'C' is read-only"):
+        @rg.recurrence(**VECTOR)
+        def ai(h, a, C, n):
+            C[n] = a
+            h[n] = a * h[n]
+            return {"y": Sum(C[n] * h[n], n)}
+    with pytest.raises(rg.SpecError, match=r"spec 'wc': 'h': component index must be an integer "
+                                           r"in \[0, 2\), got 2"):
+        @rg.recurrence(lane="P", state={"h": "B P 2"}, inputs={"a": "B L P"},
+                       outputs={"y": "B L P 2"})
+        def wc(h, a):
+            h[0] = a * h[2]
+            h[1] = a * h[1]
+            return {"y": (h[0], h[1])}
+    with pytest.raises(rg.SpecError, match=r"spec 'wn': output 'y' has 2 component\(s\), the "
+                                           r"body returns 1"):
+        @rg.recurrence(lane="P", state={"h": "B P 2"}, inputs={"a": "B L P"},
+                       outputs={"y": "B L P 2"})
+        def wn(h, a):
+            h[0] = a * h[0]
+            h[1] = a * h[1]
+            return {"y": h[0]}
+    with pytest.raises(rg.SpecError, match=r"spec 'br': tracing the body failed: "
+                                           r"ZeroDivisionError"):
+        @rg.recurrence(**SCALAR)
+        def br(h, a, x):
+            h = a * h + x
+            return {"y": 1 / 0}

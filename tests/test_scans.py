@@ -1,0 +1,172 @@
+"""``mlx_recgen.scans``: the mlx-recurrence-compatible API. Each scan against its ``_reference``
+and the hand references, the ``_with_state`` state layouts, gradients (initial state included)
+and the keyword-only extras."""
+
+import inspect
+
+import mlx.core as mx
+import pytest
+
+from mlx_recgen import scans
+from conftest import rel_err
+from references import (gla_inputs, gla_ref, rglru_inputs, rglru_ref, rotlru_inputs, ssd_inputs,
+                        ssd_ref, value_and_grads)
+
+F32 = mx.float32
+TOL = 1e-5
+
+
+def rotlru_interleaved_ref(a, cos, sin, x, h0=None):
+    """Rotational LRU on the interleaved layout: x[..., 2p] drives u_p, x[..., 2p+1] drives w_p;
+    the state [b, 2P] holds (u_0, w_0, u_1, w_1, ...)."""
+    a, cos, sin, x = (t.astype(F32) for t in (a, cos, sin, x))
+    b, L, D = x.shape
+    if h0 is None:
+        u = w = mx.zeros((b, D // 2), F32)
+    else:
+        u, w = h0[:, 0::2].astype(F32), h0[:, 1::2].astype(F32)
+    ys = []
+    for t in range(L):
+        at, ct, st = a[:, t], cos[:, t], sin[:, t]
+        u, w = at * (ct * u - st * w) + x[:, t, 0::2], at * (st * u + ct * w) + x[:, t, 1::2]
+        ys.append(mx.stack([u, w], axis=-1).reshape(b, D))
+    return mx.stack(ys, axis=1), mx.stack([u, w], axis=-1).reshape(b, D)
+
+
+def _rotlru_inputs(b=2, L=13, P=5):
+    (a, cos, sin, x), h0 = rotlru_inputs(b, L, P)
+    return [a, cos, sin, x.reshape(b, L, 2 * P)], h0.reshape(b, 2 * P)
+
+
+# name -> (scan, with_state, reference, hand reference, inputs, expected state shape)
+SCANS = {
+    "ssd": (scans.ssd_scan, scans.ssd_scan_with_state, scans.ssd_scan_reference, ssd_ref,
+            lambda: ssd_inputs(b=2, L=13, H=3, P=5, N=4), (2, 3, 5, 4)),
+    "gla": (scans.gla_scan, scans.gla_scan_with_state, scans.gla_scan_reference, gla_ref,
+            lambda: gla_inputs(b=2, L=13, H=3, K=4, V=6), (2, 3, 4, 6)),
+    "rglru": (scans.rglru_scan, scans.rglru_scan_with_state, scans.rglru_scan_reference,
+              rglru_ref, lambda: rglru_inputs(b=2, L=13, D=7, negative=True), (2, 7)),
+    "rotlru": (scans.rotlru_scan, scans.rotlru_scan_with_state, scans.rotlru_scan_reference,
+               rotlru_interleaved_ref, lambda: _rotlru_inputs(b=2, L=13, P=5), (2, 10)),
+}
+NAMES = list(SCANS)
+OUTPUT_SHAPES = {"ssd": (2, 13, 3, 5), "gla": (2, 13, 3, 6), "rglru": (2, 13, 7),
+                 "rotlru": (2, 13, 10)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scan_matches_references(name):
+    scan, with_state, reference, hand, make, state_shape = SCANS[name]
+    inputs, h0 = make()
+    y_hand, h_hand = hand(*inputs, h0)
+    y_hand0, _ = hand(*inputs)
+
+    y = scan(*inputs, initial_state=h0, seg=4, backend="mlx")
+    y_ref = reference(*inputs, initial_state=h0)
+    assert tuple(y.shape) == tuple(y_hand.shape) == OUTPUT_SHAPES[name]
+    assert rel_err(y, y_hand) < TOL
+    assert rel_err(y_ref, y_hand) < TOL
+    # zero initial state by default; default seg and backend
+    assert rel_err(scan(*inputs), y_hand0) < TOL
+    assert rel_err(reference(*inputs), y_hand0) < TOL
+    assert rel_err(scan(*inputs, backend="mlx", seg=1), y_hand0) < TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_with_state_layout(name):
+    scan, with_state, reference, hand, make, state_shape = SCANS[name]
+    inputs, h0 = make()
+    assert tuple(h0.shape) == state_shape
+    y_hand, h_hand = hand(*inputs, h0)
+    y, h = with_state(*inputs, initial_state=h0, seg=5, backend="mlx")
+    assert tuple(h.shape) == state_shape, f"{name}: state layout {h.shape}"
+    assert h.dtype == F32
+    assert rel_err(y, y_hand) < TOL
+    assert rel_err(h, h_hand) < TOL
+    # the returned state continues the scan
+    y2, h2 = with_state(*inputs, initial_state=h, backend="mlx")
+    y2_hand, h2_hand = hand(*inputs, h_hand)
+    assert rel_err(y2, y2_hand) < TOL and rel_err(h2, h2_hand) < TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scan_gradients(name):
+    scan, with_state, reference, hand, make, state_shape = SCANS[name]
+    inputs, h0 = make()
+    y_hand, h_hand = hand(*inputs, h0)
+    Wy, Wh = mx.random.normal(y_hand.shape), mx.random.normal(h_hand.shape)
+
+    def ours(*args):
+        return with_state(*args[:-1], initial_state=args[-1], seg=3, backend="mlx")
+
+    _, _, g = value_and_grads(ours, inputs, h0, Wy, Wh)
+    _, _, g_hand = value_and_grads(hand, inputs, h0, Wy, Wh)
+    for i, (a, b) in enumerate(zip(g, g_hand)):
+        assert a.shape == b.shape
+        assert rel_err(a, b) < TOL, f"{name}: gradient of argument {i}"
+
+    def ref_loss(*args):
+        return mx.sum(reference(*args[:-1], initial_state=args[-1]) * Wy)
+
+    def our_loss(*args):
+        return mx.sum(scan(*args[:-1], initial_state=args[-1], backend="mlx") * Wy)
+
+    argnums = tuple(range(len(inputs) + 1))
+    for a, b in zip(mx.grad(our_loss, argnums=argnums)(*inputs, h0),
+                    mx.grad(ref_loss, argnums=argnums)(*inputs, h0)):
+        assert rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_extras_are_keyword_only(name):
+    scan, with_state, reference, hand, make, state_shape = SCANS[name]
+    inputs, h0 = make()
+    n = len(inputs)
+    for fn in (scan, with_state):
+        params = inspect.signature(fn).parameters
+        for extra in ("initial_state", "seg", "backend"):
+            assert params[extra].kind is inspect.Parameter.KEYWORD_ONLY, (fn.__name__, extra)
+        assert [p for p in params][:n] == [p for p in inspect.signature(reference).parameters][:n]
+        with pytest.raises(TypeError):
+            fn(*inputs, None, 8)  # initial_state, seg positionally
+        with pytest.raises(TypeError):
+            fn(*inputs, h0)
+    with pytest.raises(TypeError):
+        reference(*inputs, h0)
+    with pytest.raises(TypeError):
+        reference(*inputs, seg=4)
+    assert inspect.signature(reference).parameters["initial_state"].kind is \
+        inspect.Parameter.KEYWORD_ONLY
+
+
+def test_scans_positional_api_names():
+    """Same positional argument names as mlx-recurrence."""
+    def names(fn):
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert names(scans.ssd_scan) == ["u", "delta", "B", "C", "A_neg"]
+    assert names(scans.gla_scan) == ["q", "k", "v", "gates"]
+    assert names(scans.rglru_scan) == ["a", "x"]
+    assert names(scans.rotlru_scan) == ["a", "cos", "sin", "x"]
+
+
+def test_rotlru_scan_errors():
+    (a, cos, sin, x), h0 = _rotlru_inputs(b=2, L=4, P=3)
+    with pytest.raises(ValueError, match=r"rotlru_scan: x's last axis .* must be even"):
+        scans.rotlru_scan(a, cos, sin, x[..., :5], backend="mlx")
+    with pytest.raises(ValueError, match=r"rotlru_scan: x must have shape \[B, L, D\]"):
+        scans.rotlru_scan(a, cos, sin, x[0], backend="mlx")
+    with pytest.raises(ValueError, match=r"rotlru_scan: initial_state must have shape \(2, 6\)"):
+        scans.rotlru_scan(a, cos, sin, x, initial_state=h0.reshape(2, 3, 2), backend="mlx")
+    with pytest.raises(ValueError, match=r"axis P has size"):
+        scans.rotlru_scan(a[..., :2], cos, sin, x, backend="mlx")
+
+
+def test_scan_argument_errors_name_the_argument():
+    (u, delta, B, C, A), h0 = ssd_inputs(b=2, L=5, H=3, P=4, N=6)
+    with pytest.raises(ValueError, match=r"argument 'delta' has shape"):
+        scans.ssd_scan(u, delta[..., None], B, C, A, backend="mlx")
+    with pytest.raises(ValueError, match=r"'initial_state'"):
+        scans.ssd_scan(u, delta, B, C, A, initial_state=h0[:, :, :, :2], backend="mlx")
+    with pytest.raises(ValueError, match=r"seg must be a positive integer"):
+        scans.ssd_scan(u, delta, B, C, A, seg=0, backend="mlx")
