@@ -199,7 +199,12 @@ class Tracer:
     def symbol_for(self, tensor: Tensor, component: int) -> sympy.Symbol:
         slot = Slot(tensor.name, component)
         if slot not in self.symbols:
-            name = tensor.name if tensor.components == 1 else f"{tensor.name}{component}"
+            name = tensor.name
+            if tensor.components > 1:  # h -> h0, h1; never the name of another tensor
+                name = f"{tensor.name}{component}"
+                taken = set(self.tensors) | {str(x) for x in self.symbols.values()}
+                while name in taken:
+                    name += "_"
             s = sympy.Symbol(name, real=True)
             self.symbols[slot] = s
             if tensor.has_state_axis:
@@ -311,6 +316,14 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
         for a in axes:
             if isinstance(a, str) and a not in (time, lane) and a not in batch_axes:
                 batch_axes.append(a)
+
+    for tname, (kind, axes) in raw.items():
+        if kind == "output":
+            lacking = [b for b in batch_axes if b not in axes]
+            if lacking:
+                raise SpecError(spec_name, f"output '{tname}' lacks the batch axis '{lacking[0]}' "
+                                           "that other outputs carry; every output carries every "
+                                           "batch-like axis")
 
     # The state axis: what states carry besides lane, batch and components.
     state_axes = []

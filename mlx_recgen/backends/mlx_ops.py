@@ -61,6 +61,10 @@ class MLXBackend:
         spec = self.rec.spec
         nb = len(spec.batch_axes)
         args = []
+        if step.needs_state_ones:
+            n = next(x.shape[-1] for x in [*state.values(), *canon_in.values()]
+                     if x.shape[-1] > 1) if spec.state_axis else 1
+            args.append(mx.ones((n,), dtype=mx.float32))
         for sym in step.args:
             kind, slot = self.origin[sym]
             key = (slot.tensor, slot.component)
@@ -153,8 +157,6 @@ class MLXBackend:
                         g = reduce_to(r, x.shape)
                         param_grads[key] = g if param_grads[key] is None else param_grads[key] + g
                 lam = new_lam
-            # Bound the live graph to one segment: what crosses segments is small.
-            mx.eval(list(lam.values()) + [g for g in param_grads.values() if g is not None])
 
         grads = []
         for t, x in zip(spec.inputs.values(), inputs):

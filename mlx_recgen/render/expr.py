@@ -51,6 +51,9 @@ class ExprPrinter:
     def logical(self, op: str, args: list) -> str:
         raise NotImplementedError
 
+    def boolean(self, value: bool) -> str:
+        raise NotImplementedError
+
     # -- structure --------------------------------------------------------------------------------
     def _wrap(self, piece, strength):
         text, s = piece
@@ -79,6 +82,10 @@ class ExprPrinter:
                                 [self._p(a)[0] for a in e.args]), ATOM
         if isinstance(e, sympy.Not):
             return self.logical("not", [self._p(e.args[0])[0]]), ATOM
+        if isinstance(e, sympy.ITE):  # a boolean if-then-else, left by piecewise folding
+            return self.select(*(self._p(a)[0] for a in e.args)), ATOM
+        if e in (sympy.true, sympy.false):
+            return self.boolean(bool(e)), ATOM
         if e.func in FUNCTION_NAMES:
             return self.call(FUNCTION_NAMES[e.func], [self._p(a)[0] for a in e.args]), ATOM
         raise TypeError(f"cannot render {e!r} ({type(e).__name__})")
@@ -178,6 +185,9 @@ class MLXPrinter(ExprPrinter):
     def select(self, cond, a, b):
         return f"mx.where({cond}, {a}, {b})"
 
+    def boolean(self, value):
+        return f"mx.array({value})"
+
     def logical(self, op, args):
         if op == "not":
             return f"mx.logical_not({args[0]})"
@@ -199,6 +209,9 @@ class CPrinter(ExprPrinter):
 
     def select(self, cond, a, b):
         return f"({cond} ? {a} : {b})"
+
+    def boolean(self, value):
+        return "true" if value else "false"
 
     def logical(self, op, args):
         if op == "not":

@@ -22,6 +22,7 @@ class MLXStep:
     args: list  # sympy symbols, in call order
     results: list  # (kind, slot), in return order
     fn: object
+    needs_state_ones: bool  # first argument is ones over the state axis
 
 
 def program_arguments(program: Program) -> list:
@@ -40,6 +41,7 @@ def render_mlx(program: Program, name: str, args=None) -> MLXStep:
     names = {s: f"{s}_" for s in args}  # suffix keeps spec names clear of Python's (`lambda`)
     pr = MLXPrinter(names)
     lines, results = [], []
+    ones = False
 
     def ident(sym):
         names.setdefault(sym, f"{sym}_")
@@ -49,7 +51,13 @@ def render_mlx(program: Program, name: str, args=None) -> MLXStep:
         if isinstance(stmt, Assign):
             lines.append(f"    {ident(stmt.target)} = {pr(stmt.expr)}")
         elif isinstance(stmt, Accumulate):
-            lines.append(f"    {ident(stmt.target)} = mx.sum({pr(stmt.expr)}, axis=-1, keepdims=True)")
+            body = pr(stmt.expr)
+            if not stmt.expr.free_symbols & program.vector:
+                # constant over the state axis: Σ_n adds N copies, as the kernels' loop does
+                nonlocal ones
+                ones = True
+                body = f"({body}) * state_ones_"
+            lines.append(f"    {ident(stmt.target)} = mx.sum({body}, axis=-1, keepdims=True)")
         elif isinstance(stmt, Store):
             var = f"out{len(results)}"
             lines.append(f"    {var} = {pr(stmt.expr)}")
@@ -63,8 +71,9 @@ def render_mlx(program: Program, name: str, args=None) -> MLXStep:
         else:
             emit(st)
     ret = ", ".join(f"out{i}" for i in range(len(results)))
-    source = (f"def {name}({', '.join(names[s] for s in args)}):\n" + "\n".join(lines)
+    params = (["state_ones_"] if ones else []) + [names[s] for s in args]
+    source = (f"def {name}({', '.join(params)}):\n" + "\n".join(lines)
               + f"\n    return ({ret}{',' if len(results) == 1 else ''})\n")
     scope = {"mx": mx}
     exec(compile(source, f"<mlx-recgen {name}>", "exec"), scope)
-    return MLXStep(source, list(args), results, scope[name])
+    return MLXStep(source, list(args), results, scope[name], ones)
