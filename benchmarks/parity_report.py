@@ -13,14 +13,15 @@ import sys
 
 import mlx.core as mx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from conftest import rel_err  # noqa: E402
-from references import INPUTS, state_loss_weights, value_and_grads  # noqa: E402
-from test_kernels import CASES, REFERENCES, _run  # noqa: E402
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 
 
 def main():
+    sys.path.insert(0, TESTS)  # the shape cases and hand references live with the tests
+    from conftest import rel_err
+    from references import INPUTS, state_loss_weights, value_and_grads
+    from test_kernels import CASES, REFERENCES, _run
+
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="cuda")
     p.add_argument("--out", default=None)

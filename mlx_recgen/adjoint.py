@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from .ir import Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, schedule_forward
-from .spec import Slot
+from .ir import (Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, free_symbols,
+                 loop_symbols, schedule_forward)
 
 
 @dataclass
@@ -105,30 +105,20 @@ def derive(ir: StepIR) -> Adjoint:
                 d = d + a
             scalar_pairs.append(((lambda e, kind=kind, slot=slot: Store(kind, slot, e)), d))
     statements += _loop(loop_pairs, vector, namer, prefix="v")
-    temps, stores, _ = cse_block(scalar_pairs, namer, vector, prefix="w")
+    temps, stores = cse_block(scalar_pairs, namer, prefix="w")
     statements += temps + stores
 
     # Recompute the forward reductions the derivatives read (and those they depend on).
     needed = _needed_reductions(ir, statements)
     recompute = schedule_forward(_restrict(ir, needed), for_backward=True) if needed else None
-    head = recompute.statements if recompute else []
-    loop_vector = {b.target for st in head + statements if hasattr(st, "body")
-                   for b in st.body if isinstance(b, Assign)}
-    program = Program(head + statements, frozenset(vector | loop_vector))
+    statements = (recompute.statements if recompute else []) + statements
+    program = Program(statements, frozenset(vector | loop_symbols(statements)))
     return Adjoint(program, ybar, lam)
-
-
-def _free_symbols(statements):
-    out = set()
-    for st in statements:
-        for b in getattr(st, "body", [st]):
-            out |= b.expr.free_symbols
-    return out
 
 
 def _needed_reductions(ir: StepIR, statements):
     targets = {r.target: r for r in ir.reductions}
-    need = {s for s in _free_symbols(statements) if s in targets}
+    need = {s for s in free_symbols(statements) if s in targets}
     frontier = list(need)
     while frontier:
         r = targets[frontier.pop()]
@@ -144,4 +134,4 @@ def _restrict(ir: StepIR, keep):
                   ir.namer)
 
 
-__all__ = ["Adjoint", "derive", "Slot"]
+__all__ = ["Adjoint", "derive"]

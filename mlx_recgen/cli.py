@@ -60,7 +60,9 @@ def check(rec, backend, seg=4, sizes=None, args=None):
             return sum(mx.sum(o * w) for o, w in zip(y, weights))
         return f
 
-    ours = lambda *a: rec(*a, backend=backend, seg=seg)  # noqa: E731
+    def ours(*a):
+        return rec(*a, backend=backend, seg=seg)
+
     got = ours(*args)
     got = got if isinstance(got, tuple) else (got,)
     g_ours = mx.grad(loss(ours), argnums=tuple(range(n)))(*args)

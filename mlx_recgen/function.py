@@ -225,6 +225,8 @@ class Recurrence:
             raise ValueError(f"{self.name}(): seg must be a positive integer, got {seg!r}")
         seg = min(seg, sizes[self.spec.time])
         impl = self._backend(backend)
+        if schedule and impl.name == "mlx":
+            raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
         fn = self._function(impl, seg, sizes, out_dtype, schedule)
         results = fn(*inputs, *states)
         n_out, n_state = len(self.spec.outputs), len(self.spec.states)

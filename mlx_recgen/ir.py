@@ -17,7 +17,9 @@ code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import itertools
 
 import sympy
 
@@ -54,7 +56,6 @@ class Program:
 
     statements: list
     vector: frozenset  # symbols that vary over the state index
-    names: dict = field(default_factory=dict)  # symbol -> a readable origin, for text dumps
 
     def loops(self):
         return [s for s in self.statements if isinstance(s, Loop)]
@@ -136,9 +137,6 @@ class StepIR:
     def levels(self) -> int:
         return 1 + max((r.level for r in self.reductions), default=-1)
 
-    def state_symbol(self, slot: Slot):
-        return self.spec.symbols[slot]
-
     def is_vector_slot(self, slot: Slot) -> bool:
         return self.spec.tensors[slot.tensor].has_state_axis
 
@@ -214,21 +212,16 @@ def split_invariants(exprs, vector, namer, prefix="c"):
     return [Assign(hoisted[e], e) for e in order], rewritten
 
 
-def cse_block(pairs, namer, vector, prefix="t"):
+def cse_block(pairs, namer, prefix="t"):
     """CSE a block of (make_statement, expression) pairs.
 
-    Returns (temp assignments, final statements); temps are marked vector when they vary over n."""
+    Returns (temp assignments, final statements)."""
     exprs = [e for _, e in pairs]
     if not exprs:
-        return [], [], set()
-    symbols = (namer(f"{prefix}{i}") for i in range(10**9))
+        return [], []
+    symbols = (namer(f"{prefix}{i}") for i in itertools.count())
     repl, reduced = sympy.cse(exprs, symbols=symbols, order="none")
-    temps, new_vector = [], set(vector)
-    for sym, e in repl:
-        temps.append(Assign(sym, e))
-        if _is_vector(e, new_vector):
-            new_vector.add(sym)
-    return temps, [make(e) for (make, _), e in zip(pairs, reduced)], new_vector - set(vector)
+    return [Assign(sym, e) for sym, e in repl], [make(e) for (make, _), e in zip(pairs, reduced)]
 
 
 def schedule_forward(ir: StepIR, *, for_backward: bool = False) -> Program:
@@ -253,9 +246,9 @@ def schedule_forward(ir: StepIR, *, for_backward: bool = False) -> Program:
     if not for_backward:
         pairs = [((lambda e, s=s: Store("state", s, e)), e) for s, e in scal_updates.items()]
         pairs += [((lambda e, s=s: Store("output", s, e)), e) for s, e in ir.outputs.items()]
-        temps, stmts, _ = cse_block(pairs, ir.namer, vector)
+        temps, stmts = cse_block(pairs, ir.namer)
         statements += temps + stmts
-    return Program(statements, frozenset(vector | _loop_vectors(statements, vector)))
+    return Program(statements, frozenset(vector | loop_symbols(statements)))
 
 
 def _loop(pairs, vector, namer, prefix="t"):
@@ -263,14 +256,17 @@ def _loop(pairs, vector, namer, prefix="t"):
     if not pairs:
         return []
     invariants, exprs = split_invariants([e for _, e in pairs], vector, namer)
-    temps, stmts, _ = cse_block([(m, e) for (m, _), e in zip(pairs, exprs)], namer, vector, prefix)
+    temps, stmts = cse_block([(m, e) for (m, _), e in zip(pairs, exprs)], namer, prefix)
     return invariants + [Loop(temps + stmts)]
 
 
-def _loop_vectors(statements, vector):
-    """Symbols assigned inside loops are pointwise."""
-    out = set()
-    for s in statements:
-        if isinstance(s, Loop):
-            out |= {b.target for b in s.body if isinstance(b, Assign)}
-    return out
+def loop_symbols(statements) -> set:
+    """Symbols assigned inside loops: they are pointwise."""
+    return {b.target for s in statements if isinstance(s, Loop)
+            for b in s.body if isinstance(b, Assign)}
+
+
+def free_symbols(statements) -> set:
+    """Every symbol the statements' expressions read (including their own temporaries)."""
+    return {x for s in statements for b in (s.body if isinstance(s, Loop) else [s])
+            for x in b.expr.free_symbols}

@@ -83,10 +83,6 @@ class Tensor:
     components: int  # size of the component axis, 1 if none
     batch_axes: tuple  # the batch-like axes it carries, in the spec's batch order
 
-    @property
-    def is_parameter(self) -> bool:
-        return self.kind == "input" and not self.has_time
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -354,9 +350,6 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
             if isinstance(a, str) and a not in known:
                 raise SpecError(spec_name, f"tensor '{tname}': unknown axis '{a}' (not the time "
                                            "or lane axis, not carried by an output or a state)")
-        if kind == "output" and state_axis in axes:
-            raise SpecError(spec_name, f"output '{tname}' carries the state axis '{state_axis}'; "
-                                       "reduce over it with Sum(...) instead")
         comps = [a for a in axes if isinstance(a, int)]
         tensors[tname] = Tensor(
             name=tname, kind=kind, axes=axes, has_time=time in axes, has_lane=lane in axes,
@@ -375,7 +368,9 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
                                    "input must be a parameter")
     if state_axis is None and extra:
         raise SpecError(spec_name, f"unknown body parameters {extra}: no state/input is declared "
-                                   "with these names and the spec has no state axis to index")
+                                   "with these names and the spec has no state axis to index "
+                                   "(an axis the outputs carry is batch-like, not a state axis; "
+                                   "outputs reduce over the state axis with Sum)")
     if state_axis is not None and len(extra) != 1:
         raise SpecError(spec_name, f"the body needs exactly one index parameter for the state "
                                    f"axis '{state_axis}' (after the tensors), got {extra}")

@@ -194,7 +194,7 @@ def test_output_not_returned():
                                            r"\['y'\], got NoneType"):
         @rg.recurrence(**SCALAR)
         def nr2(h, a, x):
-            h = a * h + x  # noqa: F841
+            h = a * h + x
     with pytest.raises(rg.SpecError, match=r"spec 'uo': the body returns undeclared outputs "
                                            r"\['zz'\]"):
         @rg.recurrence(**SCALAR)
@@ -305,7 +305,7 @@ def test_other_malformed_specs():
                                            r"h\[\.\.\.\] = \.\.\., not by rebinding"):
         @rg.recurrence(**VECTOR)
         def rv(h, a, C, n):
-            h = a  # noqa: F841
+            h = a
             return {"y": a}
     with pytest.raises(rg.SpecError, match=r"spec 'ai': input 'C' is read-only"):
         @rg.recurrence(**VECTOR)

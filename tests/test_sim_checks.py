@@ -2,12 +2,11 @@
 
 import re
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
-
-from mlx_recgen import sim  # noqa: E402
+from mlx_recgen import sim
 
 pytestmark = [
     pytest.mark.sim,
@@ -164,8 +163,10 @@ def test_missing_barrier_race_on_threadgroup_memory():
     assert "threadgroup array `buf`" in msg and "mem_threadgroup" in msg
     # the fixed kernel runs
     fixed = src.replace("// missing ", "")
-    (out,) = run("race_tg_fixed", fixed, n=128)
-    x = np.array(out)  # noqa: F841
+    x = rng.standard_normal(128).astype(np.float32)
+    (out,) = run("race_tg_fixed", fixed, n=128, inputs=mx.array(x))
+    expected = np.roll(x.reshape(2, 64), -1, axis=1).ravel()  # each group reads its next thread
+    np.testing.assert_array_equal(np.array(out), expected)
 
 
 def test_write_write_race_on_threadgroup_memory():

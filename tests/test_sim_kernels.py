@@ -1,11 +1,10 @@
 """Metal simulator: semantics of hand-written kernels against numpy/MLX references."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
-
-from mlx_recgen import sim  # noqa: E402
+from mlx_recgen import sim
 
 pytestmark = [
     pytest.mark.sim,
@@ -136,7 +135,9 @@ def test_low_precision_conversions_bit_exact(in_dtype):
              output_dtypes=[mx.float32, mx.float16, mx.bfloat16, mx.bfloat16, mx.float16, dt])
     of, oh, ob, ob2, oh2, ox = outs
     v = x.astype(mx.float32) * 1.5
-    bits = lambda a: np.array(a.view(mx.uint16))  # noqa: E731
+    def bits(a):
+        return np.array(a.view(mx.uint16))
+
     np.testing.assert_array_equal(np.array(of), np.array(v))
     np.testing.assert_array_equal(np.array(oh.view(mx.uint16)), np.array(v.astype(mx.float16).view(mx.uint16)))
     np.testing.assert_array_equal(bits(ob), bits(v.astype(mx.bfloat16)))

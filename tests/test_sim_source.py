@@ -11,11 +11,10 @@ import subprocess
 import sys
 import textwrap
 
+import mlx.core as mx
 import pytest
 
-mx = pytest.importorskip("mlx.core")
-
-from mlx_recgen.backends.mlx_source import (  # noqa: E402
+from mlx_recgen.backends.mlx_source import (
     cuda_source,
     metal_kernel_name,
     metal_source,

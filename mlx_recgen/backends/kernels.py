@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..layout import declared_shape
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..schedule import MetaLayout, make_schedule
@@ -122,8 +123,8 @@ class KernelBackend:
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
         kernel = self.kernel("forward", sch, dtypes)
-        shapes = [_declared(t, sizes) for t in spec.outputs.values()]
-        shapes += [_declared(t, sizes) for t in spec.states.values()]
+        shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
+        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
         shapes += [self._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
         n_out, n_state = len(spec.outputs), len(spec.states)
         dtypes_out = [out_dtype] * n_out + [mx.float32] * (2 * n_state)
@@ -140,13 +141,11 @@ class KernelBackend:
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         kernel = self.kernel("backward", sch, dtypes)
         shapes = [self.meta.grad_shape(t, sizes) for t in spec.inputs.values()]
-        shapes += [_declared(t, sizes) for t in spec.states.values()]
+        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
         if sch.history == "scratch":
             slots = sum(t.components for t in spec.states.values())
             shapes.append((sch.seg * slots * sch.state_size * instances * sch.groups_per_instance
                            * sch.threads,))
-        d_outputs = [g.astype(mx.float32) if g.dtype not in (mx.float32, mx.float16, mx.bfloat16)
-                     else g for g in d_outputs]
         results = kernel(inputs=[*inputs, *residuals, *d_outputs,
                                  *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
                          template=sch.template(), grid=grid, threadgroup=group,
@@ -160,10 +159,6 @@ class KernelBackend:
         n_in = len(spec.inputs)
         d_init = [g.astype(x.dtype) for g, x in zip(results[n_in:n_in + len(spec.states)], states)]
         return grads, d_init
-
-
-def _declared(t, sizes):
-    return tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
 
 
 class _ArrayInfo:

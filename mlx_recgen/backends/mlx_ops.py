@@ -35,6 +35,10 @@ class MLXBackend:
             self.origin[sym] = ("d_state", slot)
 
     # -- helpers ------------------------------------------------------------------------------
+    def _ones(self, sizes):
+        """Ones over the state axis, for sums of terms constant over it."""
+        return mx.ones((sizes[self.rec.spec.state_axis] if self.rec.spec.state_axis else 1,))
+
     def _canonical_inputs(self, inputs):
         spec = self.rec.spec
         out = {}
@@ -57,14 +61,10 @@ class MLXBackend:
                 out[(t.name, c)] = mx.broadcast_to(part, shapes[(t.name, c)])
         return out
 
-    def _args(self, step, t, state, canon_in, extra=None):
+    def _args(self, step, t, state, canon_in, ones, extra=None):
         spec = self.rec.spec
         nb = len(spec.batch_axes)
-        args = []
-        if step.needs_state_ones:
-            n = next(x.shape[-1] for x in [*state.values(), *canon_in.values()]
-                     if x.shape[-1] > 1) if spec.state_axis else 1
-            args.append(mx.ones((n,), dtype=mx.float32))
+        args = [ones] if step.needs_state_ones else []
         for sym in step.args:
             kind, slot = self.origin[sym]
             key = (slot.tensor, slot.component)
@@ -77,8 +77,8 @@ class MLXBackend:
                 args.append(extra[(kind, key)])
         return args
 
-    def _step_forward(self, t, state, canon_in, shapes, fn=None):
-        res = (fn or self._fwd)(*self._args(self.forward_step, t, state, canon_in))
+    def _step_forward(self, t, state, canon_in, shapes, ones, fn=None):
+        res = (fn or self._fwd)(*self._args(self.forward_step, t, state, canon_in, ones))
         new_state, outs = dict(state), {}
         for (kind, slot), r in zip(self.forward_step.results, res):
             key = (slot.tensor, slot.component)
@@ -93,6 +93,7 @@ class MLXBackend:
         spec = self.rec.spec
         L, nb = sizes[spec.time], len(spec.batch_axes)
         shapes = self._state_shapes(sizes)
+        ones = self._ones(sizes)
         canon_in = self._canonical_inputs(inputs)
         state = self._canonical_states(states, sizes)
         keys = list(state)
@@ -103,7 +104,7 @@ class MLXBackend:
                 for k in keys:
                     checkpoints[k].append(state[k])
             state, step_out = self._step_forward(
-                t, state, canon_in, shapes, None if compiled else self.forward_step.fn)
+                t, state, canon_in, shapes, ones, None if compiled else self.forward_step.fn)
             for k, v in step_out.items():
                 outs[k].append(v)
         outputs = []
@@ -121,6 +122,7 @@ class MLXBackend:
         spec = self.rec.spec
         L, nb = sizes[spec.time], len(spec.batch_axes)
         shapes = self._state_shapes(sizes)
+        ones = self._ones(sizes)
         canon_in = self._canonical_inputs(inputs)
         keys = [(t.name, c) for t in spec.states.values() for c in range(t.components)]
         checkpoints = dict(zip(keys, residuals))
@@ -139,11 +141,11 @@ class MLXBackend:
             history = []
             for t in range(start, end):
                 history.append(state)
-                state, _ = self._step_forward(t, state, canon_in, shapes)
+                state, _ = self._step_forward(t, state, canon_in, shapes, ones)
             for t in reversed(range(start, end)):
                 extra = {("d_state", k): lam[k] for k in keys}
                 extra.update({("d_output", k): v[(slice(None),) * nb + (t,)] for k, v in d_out.items()})
-                res = self._bwd(*self._args(self.backward_step, t, history[t - start], canon_in, extra))
+                res = self._bwd(*self._args(self.backward_step, t, history[t - start], canon_in, ones, extra))
                 new_lam = {}
                 for (kind, slot), r in zip(self.backward_step.results, res):
                     key = (slot.tensor, slot.component)

@@ -9,6 +9,7 @@ selects. ``MLXPrinter`` spells MLX Python; ``CPrinter`` spells C-family code thr
 
 from __future__ import annotations
 
+import abc
 import struct
 
 import sympy
@@ -29,7 +30,7 @@ _RELATIONS = {sympy.StrictGreaterThan: ">", sympy.GreaterThan: ">=", sympy.Stric
               sympy.LessThan: "<=", sympy.Eq: "==", sympy.Ne: "!="}
 
 
-class ExprPrinter:
+class ExprPrinter(abc.ABC):
     """Prints an expression; ``names`` maps symbols to identifiers."""
 
     def __init__(self, names: dict):
@@ -39,20 +40,25 @@ class ExprPrinter:
         return self._p(sympy.sympify(expr))[0]
 
     # -- spelled by subclasses ------------------------------------------------------------------
+    @abc.abstractmethod
     def number(self, value: float) -> str:
-        raise NotImplementedError
+        """A non-negative float literal."""
 
+    @abc.abstractmethod
     def call(self, name: str, args: list) -> str:
-        raise NotImplementedError
+        """A call of a neutral function name (``exp``, ``sigmoid``, ``pow``...)."""
 
+    @abc.abstractmethod
     def select(self, cond: str, a: str, b: str) -> str:
-        raise NotImplementedError
+        """``a`` where ``cond`` holds, else ``b``."""
 
+    @abc.abstractmethod
     def logical(self, op: str, args: list) -> str:
-        raise NotImplementedError
+        """``and`` / ``or`` / ``not`` of conditions."""
 
+    @abc.abstractmethod
     def boolean(self, value: bool) -> str:
-        raise NotImplementedError
+        """A boolean literal."""
 
     # -- structure --------------------------------------------------------------------------------
     def _wrap(self, piece, strength):

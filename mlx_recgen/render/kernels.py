@@ -11,13 +11,15 @@ checkpoints and the threadgroup stage of lane reductions. Target differences com
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import jinja2
 
-from ..ir import Accumulate, Assign, Loop, Program, Store
+from ..ir import Accumulate, Assign, Loop, Program, Store, free_symbols
 from ..resources import templates_dir
 from ..schedule import MetaLayout, Schedule
+from ..spec import Slot
 from .dialects import Dialect
 from .expr import CPrinter
 
@@ -40,7 +42,6 @@ class SharedSlot:
     offset: str  # first row, as a C constant expression
     size: str  # "NS" or "1"
     target: str  # C lvalue: the buffer element for row ``n`` (``n`` in scope)
-    key: tuple = ()  # (input tensor, component)
 
 
 @dataclass
@@ -87,14 +88,6 @@ class StepWriter:
         self.printer = CPrinter(self.names, self.dialect)
 
     # -- loads ---------------------------------------------------------------------------------
-    @staticmethod
-    def _free(statements):
-        out = set()
-        for st in statements:
-            for b in st.body if isinstance(st, Loop) else [st]:
-                out |= b.expr.free_symbols
-        return out
-
     def _load(self, sym, source, guard, pad):
         value = f"static_cast<float>({source})"
         if guard:
@@ -102,57 +95,54 @@ class StepWriter:
         return f"{pad}const float {self.names[sym]} = {value};"
 
     def step_loads(self, program: Program, pad: str):
-        free = self._free(program.statements)
+        free = free_symbols(program.statements)
         return [self._load(s, *self.scalar_loads[s], pad)
                 for s in sorted(free, key=str) if s in self.scalar_loads]
 
     # -- statements ----------------------------------------------------------------------------
     def program(self, program: Program, route, pad: str) -> list:
-        """C lines of a program; ``route(store, value, in_loop, pad)`` gives (now, deferred)."""
+        """C lines of a program; ``route(store, value, in_loop, pad)`` gives the lines that use a
+        stored value now and those deferred to the end of the step (or of the loop iteration):
+        a new state or adjoint is committed only after every read of the old one."""
         lines, deferred = [], []
-        p = self.printer
-        count = 0
+        stores = itertools.count()
+
+        def emit(stmt, pad, in_loop, out, later):
+            expr = self.printer(stmt.expr)
+            if isinstance(stmt, Assign):
+                out.append(f"{pad}const float {stmt.target} = {expr};")
+            elif isinstance(stmt, Accumulate):
+                out.append(f"{pad}{stmt.target} += {expr};")
+            else:
+                value = f"{stmt.kind}_{next(stores)}"
+                out.append(f"{pad}const float {value} = {expr};")
+                now, after = route(stmt, value, in_loop, pad)
+                out += now
+                later += after
+
         for st in program.statements:
-            if isinstance(st, Assign):
-                lines.append(f"{pad}const float {st.target} = {p(st.expr)};")
-            elif isinstance(st, Store):
-                value = f"{st.kind}_{count}"
-                count += 1
-                lines.append(f"{pad}const float {value} = {p(st.expr)};")
-                now, later = route(st, value, False, pad)
-                lines += now
-                deferred += later
-            elif isinstance(st, Loop):
-                accs = [b.target for b in st.body if isinstance(b, Accumulate)]
-                inner = pad + "  "
-                lines += [f"{pad}float {a} = 0.0f;" for a in accs]
-                lines.append(f"{pad}for (int n = 0; n < NS; ++n) {{")
-                used = self._free(st.body)
-                for sym in sorted(used, key=str):
-                    if sym in self.vector_inputs:
-                        src, guard = self.vector_inputs[sym]
-                        lines.append(self._load(sym, src, guard, inner))
-                loop_deferred = []
-                for b in st.body:
-                    if isinstance(b, Assign):
-                        lines.append(f"{inner}const float {b.target} = {p(b.expr)};")
-                    elif isinstance(b, Accumulate):
-                        lines.append(f"{inner}{b.target} += {p(b.expr)};")
-                    else:
-                        value = f"{b.kind}_{count}"
-                        count += 1
-                        lines.append(f"{inner}const float {value} = {p(b.expr)};")
-                        now, later = route(b, value, True, inner)
-                        lines += now
-                        loop_deferred += later
-                lines += loop_deferred
-                lines.append(f"{pad}}}")
+            if not isinstance(st, Loop):
+                emit(st, pad, False, lines, deferred)
+                continue
+            inner, loop_deferred = pad + "  ", []
+            lines += [f"{pad}float {b.target} = 0.0f;" for b in st.body if isinstance(b, Accumulate)]
+            lines.append(f"{pad}for (int n = 0; n < NS; ++n) {{")
+            lines += [self._load(s, *self.vector_inputs[s], inner)
+                      for s in sorted(free_symbols(st.body), key=str) if s in self.vector_inputs]
+            for b in st.body:
+                emit(b, inner, True, lines, loop_deferred)
+            lines += loop_deferred
+            lines.append(f"{pad}}}")
         return lines + deferred
 
 
-def _state_lvalue(spec, slot, in_loop):
-    sym = spec.symbols[slot]
-    return f"{sym}_s[n]" if in_loop else f"{sym}_s"
+def _commit_state(spec):
+    """Route for state stores: the new value replaces the state register once the step (or the
+    loop iteration) has read the old one."""
+    def route(store, value, in_loop, pad):
+        sym = spec.symbols[store.slot]
+        return [], [f"{pad}{sym}_s{'[n]' if in_loop else ''} = {value};"]
+    return route
 
 
 class KernelRenderer:
@@ -184,14 +174,16 @@ class KernelRenderer:
         states = []
         for t in spec.states.values():
             for c in range(t.components):
-                sym = spec.symbols[_slot(t.name, c)]
+                sym = spec.symbols[Slot(t.name, c)]
                 comp = f" + {c} * {t.name}_stride_comp" if t.components > 1 else ""
                 n = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
                 ck = (f"(((s * instances + instance) * {t.components} + {c}) * NS + "
                       f"{'n' if t.has_state_axis else '0'}) * lanes + lane")
                 states.append(dict(sym=str(sym), vector=t.has_state_axis, tensor=t.name,
                                    offset=f"{t.name}_base{comp}{n}", ckpt=ck))
-        shape_text = lambda t: " ".join(str(a) for a in t.axes)  # noqa: E731
+        def shape_text(t):
+            return " ".join(str(a) for a in t.axes)
+
         description = [f"inputs:  {', '.join(f'{t.name} [{shape_text(t)}]' for t in spec.inputs.values())}",
                        f"state:   {', '.join(f'{t.name} [{shape_text(t)}]' for t in spec.states.values())}",
                        f"outputs: {', '.join(f'{t.name} [{shape_text(t)}]' for t in spec.outputs.values())}",
@@ -210,10 +202,11 @@ class KernelRenderer:
     def forward(self):
         spec = self.spec
         writer = StepWriter(self.rec, self.d)
+        commit_state = _commit_state(spec)
 
         def route(store, value, in_loop, pad):
             if store.kind == "state":
-                return [], [f"{pad}{_state_lvalue(spec, store.slot, in_loop)} = {value};"]
+                return commit_state(store, value, in_loop, pad)
             t = spec.outputs[store.slot.tensor]
             comp = f" + {store.slot.component} * {t.name}_stride_comp" if t.components > 1 else ""
             return [f"{pad}if (lane_ok) {{ {t.name}[{t.name}_base + t * {t.name}_stride_{spec.time}"
@@ -229,11 +222,12 @@ class KernelRenderer:
     def backward(self):
         spec, d, sch = self.spec, self.d, self.schedule
         writer = StepWriter(self.rec, d)
-        time_rows, param_rows = [], []  # SharedSlot lists
-        accumulators = []  # (name, size, tensor, component, shared)
+        # gradients reduced over lanes, by (input tensor, component): per step, or once at the end
+        time_rows, param_rows = {}, {}
+        accumulators = []  # parameter gradients, summed over time in registers
 
-        def rows(lst):
-            return " + ".join(r.size for r in lst) or "0"
+        def rows(table):
+            return " + ".join(r.size for r in table.values()) or "0"
 
         def grad_target(t, c, n_term, with_time):
             comp = f" + {c} * {t.name}_stride_comp" if t.components > 1 else ""
@@ -255,7 +249,7 @@ class KernelRenderer:
                 masked = value if t.has_lane else f"(lane_ok ? {value} : 0.0f)"
                 return [f"{pad}{name}[{n_idx}] += {masked};"], []
             # shared, time-varying: reduce over lanes this step
-            slot = next(r for r in time_rows if r.key == (t.name, c))
+            slot = time_rows[(t.name, c)]
             return [f"{pad}{{",
                     f"{pad}  const float lanes_sum = {d.simd_sum}(lane_ok ? {value} : 0.0f);",
                     f"{pad}  if (simd_lane == 0) {{ red[({slot.offset} + {n_idx}) * NSG + simd_group] = lanes_sum; }}",
@@ -266,22 +260,18 @@ class KernelRenderer:
                 size = "NS" if t.has_state_axis else "1"
                 n_term = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
                 if not t.has_time:
-                    name = f"acc_d{spec.symbols[_slot(t.name, c)]}"
-                    accumulators.append(dict(name=name, size=size, shared=not t.has_lane,
-                                             target=grad_target(t, c, n_term, False)))
+                    target = grad_target(t, c, n_term, False)
+                    row = None
                     if not t.has_lane:
-                        param_rows.append(SharedSlot(rows(param_rows), size,
-                                                     grad_target(t, c, n_term, False), (t.name, c)))
+                        row = param_rows[(t.name, c)] = SharedSlot(rows(param_rows), size, target)
+                    accumulators.append(dict(name=f"acc_d{spec.symbols[Slot(t.name, c)]}",
+                                             size=size, shared=not t.has_lane, target=target,
+                                             slot=row))
                 elif not t.has_lane:
-                    time_rows.append(SharedSlot(rows(time_rows), size,
-                                                grad_target(t, c, n_term, True), (t.name, c)))
-        for acc in accumulators:
-            acc["slot"] = next((r for r in param_rows if r.target == acc["target"]), None)
+                    time_rows[(t.name, c)] = SharedSlot(rows(time_rows), size,
+                                                        grad_target(t, c, n_term, True))
 
         recompute = _without_outputs(self.rec.forward_program)
-
-        def route_recompute(store, value, in_loop, pad):
-            return [], [f"{pad}{_state_lvalue(spec, store.slot, in_loop)} = {value};"]
 
         adj = self.rec.adjoint
         lam = []
@@ -300,20 +290,15 @@ class KernelRenderer:
         n_slots = sum(t.components for t in spec.states.values())
         ctx.update(
             recompute_loads=writer.step_loads(recompute, "      "),
-            recompute=writer.program(recompute, route_recompute, "      "),
+            recompute=writer.program(recompute, _commit_state(spec), "      "),
             loads=writer.step_loads(adj.program, "      "),
             step=writer.program(adj.program, route, "      "),
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
-            time_rows=time_rows, param_rows=param_rows, time_count=rows(time_rows),
+            time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
+            time_count=rows(time_rows),
             param_count=rows(param_rows), n_slots=n_slots,
         )
         return environment().get_template("backward.j2").render(**ctx)
-
-
-def _slot(tensor, component):
-    from ..spec import Slot
-
-    return Slot(tensor, component)
 
 
 def _without_outputs(program: Program) -> Program:
@@ -325,4 +310,4 @@ def _without_outputs(program: Program) -> Program:
         if isinstance(st, Loop):
             st = Loop([b for b in st.body if not (isinstance(b, Store) and b.kind == "output")])
         stmts.append(st)
-    return Program(stmts, program.vector, program.names)
+    return Program(stmts, program.vector)
