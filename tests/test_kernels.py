@@ -164,3 +164,36 @@ def test_custom_spec_with_parameter_and_nonlinearity(backend):
     assert rel_err(ky, ry) < 1e-5 and rel_err(kh, rh) < 1e-5
     for g, r in zip(kgrads, rgrads):
         assert rel_err(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padded_lanes_do_not_leak_into_lane_reductions(backend):
+    """Padded lanes load zeros, so here their state becomes 1/0 = inf; their contributions to
+    the lane-reduced gradients (of the per-step g and the parameter c) must still be zero."""
+
+    @rg.recurrence(lane="P", state={"h": "B P"}, inputs={"x": "B L P", "g": "B L", "c": "B"},
+                   outputs={"y": "B L P"})
+    def inverse_drive(h, x, g, c):
+        h = c * g * h + 1 / x
+        return {"y": h}
+
+    b, L, P = 2, 6, 5  # 27 padded lanes per instance
+    x = mx.random.uniform(1.0, 2.0, (b, L, P))
+    g = mx.random.uniform(0.5, 1.0, (b, L))
+    c = mx.random.uniform(0.5, 1.0, (b,))
+    h0 = mx.random.normal((b, P))
+    y0, hf = inverse_drive.reference(x, g, c, initial_state=h0, return_state=True)
+    Wy, Wh = state_loss_weights(y0, hf)
+
+    def run(kind):
+        def fn(*a):
+            if kind == "reference":
+                return inverse_drive.reference(*a[:-1], initial_state=a[-1], return_state=True)
+            return inverse_drive(*a[:-1], initial_state=a[-1], return_state=True, backend=kind, seg=4)
+        return value_and_grads(fn, [x, g, c], h0, Wy, Wh)
+
+    ry, rh, rgrads = run("reference")
+    ky, kh, kgrads = run(backend)
+    assert rel_err(ky, ry) < 1e-5 and rel_err(kh, rh) < 1e-5
+    for grad, ref in zip(kgrads, rgrads):
+        assert rel_err(grad, ref) < 1e-5
