@@ -65,39 +65,15 @@ METAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("threads_per_threadgroup", "uint3"),
 )
 
-_METAL_TYPES = {
-    "float32": "float",
-    "float16": "float16_t",
-    "bfloat16": "bfloat16_t",
-    "float64": "double",
-    "complex64": "complex64_t",
-    "bool": "bool",
-    "int8": "int8_t",
-    "int16": "int16_t",
-    "int32": "int32_t",
-    "int64": "int64_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "uint32": "uint32_t",
-    "uint64": "uint64_t",
-}
+# Both backends spell the fixed-width integers and bool the same way.
+_COMMON_TYPES = {"bool": "bool", "float32": "float", "float64": "double"}
+_COMMON_TYPES.update({f"{u}int{w}": f"{u}int{w}_t" for u in ("", "u") for w in (8, 16, 32, 64)})
 
-_CUDA_TYPES = {
-    "bool": "bool",
-    "int8": "int8_t",
-    "int16": "int16_t",
-    "int32": "int32_t",
-    "int64": "int64_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "uint32": "uint32_t",
-    "uint64": "uint64_t",
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "float32": "float",
-    "float64": "double",
-    "complex64": "mlx::core::cu::complex64_t",
-}
+_METAL_TYPES = {**_COMMON_TYPES, "float16": "float16_t", "bfloat16": "bfloat16_t",
+                "complex64": "complex64_t"}
+
+_CUDA_TYPES = {**_COMMON_TYPES, "float16": "__half", "bfloat16": "__nv_bfloat16",
+               "complex64": "mlx::core::cu::complex64_t"}
 
 
 def dtype_name(dtype: Any) -> str:
