@@ -10,8 +10,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .adjoint import derive
+from .affine import analyse
 from .ir import lower, schedule_forward
 from .layout import declared_shape
+from .schedule import choose as choose_schedule
 from .spec import Spec
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -36,8 +38,10 @@ class Recurrence:
 
     Keyword-only options: ``initial_state`` (an array for a single state, else a dict by state
     name; zeros when omitted), ``return_state`` (also return the final state, fp32),
-    ``backend`` (``"auto"``, ``"mlx"``, ``"metal"``, ``"metal-sim"``, ``"cuda"``) and ``seg``
-    (checkpoint every ``seg`` steps). Outputs are in the inputs' dtype; state is kept in fp32.
+    ``backend`` (``"auto"``, ``"mlx"``, ``"metal"``, ``"metal-sim"``, ``"cuda"``), ``schedule``
+    (``"auto"``, ``"sequential"``, ``"chunked"``: see ``schedule.choose``) and ``seg``
+    (checkpoint every ``seg`` steps, which is also the chunk length of the chunked schedule;
+    chosen per call when omitted). Outputs are in the inputs' dtype; state is kept in fp32.
     """
 
     def __init__(self, spec: Spec):
@@ -45,6 +49,7 @@ class Recurrence:
         self.ir = lower(spec)
         self.forward_program = schedule_forward(self.ir)
         self.adjoint = derive(self.ir)
+        self.affine = analyse(self.ir)
         self._backends = {}
         self._functions = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
@@ -52,6 +57,12 @@ class Recurrence:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def time_parallel(self) -> bool:
+        """Whether the state update is affine with a block-diagonal multiplier, so that the
+        ``chunked`` schedule can run time in parallel (``affine.analyse``)."""
+        return self.affine.time_parallel
 
     def __repr__(self):
         s = self.spec
@@ -68,7 +79,14 @@ class Recurrence:
         lines = [self.adjoint.program.text(self.spec.index_name or "n"), "", "gradient reductions:"]
         for name, classes in self.gradient_reductions().items():
             lines.append(f"  {name}: {', '.join(classes) or 'none (written per lane and step)'}")
+        lines += ["", f"schedules: {self.schedules_text()}"]
         return "\n".join(lines)
+
+    def schedules_text(self) -> str:
+        """Which schedules apply, and why ``chunked`` does not when it does not."""
+        if self.time_parallel:
+            return f"sequential and chunked; {self.affine.describe()}"
+        return f"sequential only ({self.affine.reason})"
 
     def gradient_reductions(self) -> dict:
         """For every input (and the initial state), the reductions its gradient needs:
@@ -193,8 +211,8 @@ class Recurrence:
                 self._backends[backend] = KernelBackend(self, backend)
         return self._backends[backend]
 
-    def _function(self, backend, seg, sizes, out_dtype, schedule):
-        key = (backend.name, seg, tuple(sorted(sizes.items())), out_dtype, tuple(sorted(schedule.items())))
+    def _function(self, backend, seg, sizes, out_dtype, options):
+        key = (backend.name, seg, tuple(sorted(sizes.items())), out_dtype, tuple(sorted(options.items())))
         if key in self._functions:
             return self._functions[key]
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
@@ -202,7 +220,7 @@ class Recurrence:
         @mx.custom_function
         def fn(*arrays):
             inputs, states = list(arrays[:n_in]), list(arrays[n_in:])
-            outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype, **schedule)
+            outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype, **options)
             return (*outs, *finals, *residuals)
 
         @fn.vjp
@@ -211,23 +229,25 @@ class Recurrence:
             residuals = list(outputs[n_out + n_state:])
             d_out = list(cotangents[:n_out])
             d_fin = list(cotangents[n_out:n_out + n_state])
-            grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes, seg, **schedule)
+            grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes, seg, **options)
             return (*grads, *d_init)
 
         self._functions[key] = fn
         return fn
 
-    def __call__(self, *args, initial_state=None, return_state=False, backend="auto", seg=32,
-                 **kwargs):
-        schedule = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
+    def __call__(self, *args, initial_state=None, return_state=False, backend="auto", seg=None,
+                 schedule="auto", **kwargs):
+        options = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
-        if not isinstance(seg, int) or isinstance(seg, bool) or seg < 1:
+        if seg is not None and (not isinstance(seg, int) or isinstance(seg, bool) or seg < 1):
             raise ValueError(f"{self.name}(): seg must be a positive integer, got {seg!r}")
-        seg = min(seg, sizes[self.spec.time])
         impl = self._backend(backend)
-        if schedule and impl.name == "mlx":
+        if options and impl.name == "mlx":
             raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
-        fn = self._function(impl, seg, sizes, out_dtype, schedule)
+        kind, seg = choose_schedule(self, sizes, schedule, seg, impl.name)
+        if impl.name != "mlx":
+            options["schedule"] = kind
+        fn = self._function(impl, seg, sizes, out_dtype, options)
         results = fn(*inputs, *states)
         n_out, n_state = len(self.spec.outputs), len(self.spec.states)
         outs = results[:n_out]

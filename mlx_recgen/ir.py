@@ -270,3 +270,33 @@ def free_symbols(statements) -> set:
     """Every symbol the statements' expressions read (including their own temporaries)."""
     return {x for s in statements for b in (s.body if isinstance(s, Loop) else [s])
             for x in b.expr.free_symbols}
+
+
+def prune(program: Program, keep_store) -> Program:
+    """The program with only the stores ``keep_store(store)`` accepts, and only the statements
+    they need (dead-code elimination, last statement first)."""
+    live: set = set()
+
+    def needed(stmt) -> bool:
+        if isinstance(stmt, Store):
+            return keep_store(stmt)
+        return stmt.target in live
+
+    kept = []
+    for st in reversed(program.statements):
+        if isinstance(st, Loop):
+            body = []
+            # a loop body reads its own temporaries: sweep it until nothing new becomes live
+            while True:
+                body = [b for b in st.body if needed(b)]
+                grown = {x for b in body for x in b.expr.free_symbols} - live
+                if not grown:
+                    break
+                live |= grown
+            if body:
+                kept.append(Loop(body))
+        elif needed(st):
+            live |= st.expr.free_symbols
+            kept.append(st)
+    kept.reverse()
+    return Program(kept, program.vector)

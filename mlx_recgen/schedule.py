@@ -1,6 +1,17 @@
 """Kernel schedules: how a call maps onto GPU threads, and the runtime values a kernel reads.
 
-Mapping: one thread per (instance, lane). The lanes of one instance are padded to a multiple of
+Two schedules, chosen in one place (``choose``):
+
+* ``sequential``: one thread per (instance, lane) walks all ``L`` steps, writing a checkpoint
+  every ``seg`` steps; the backward walks segments newest first. Any recurrence.
+* ``chunked``: for state-affine recurrences (``affine.analyse``) time runs in parallel. One
+  thread per (segment, instance, lane) summarises its segment (local end state from zero,
+  composed multiplier), one thread per (instance, lane) carries the summaries over segments
+  into the checkpoints, then every segment reruns its steps from its checkpoint and writes the
+  outputs. The backward mirrors it: local adjoints per segment, a carry of ``λ`` with the
+  transposed multipliers, then every segment sweeps its adjoint and writes the gradients.
+
+Mapping: one thread per (instance, lane), and in the chunked kernels also per segment. The lanes of one instance are padded to a multiple of
 the threadgroup size and split into ``groups_per_instance`` threadgroups; grid x counts all of
 them (instances are folded into x, so no grid dimension limit caps the batch). When a gradient
 must be reduced over lanes (an input without the lane axis), all lanes of an instance share one
@@ -21,6 +32,14 @@ MAX_THREADS = 1024
 REGISTER_HISTORY_FLOATS = 128  # per thread; beyond this the recomputed segment goes to scratch
 MAX_SHARED_BYTES = 32 * 1024
 
+SCHEDULES = ("auto", "sequential", "chunked")
+SEQUENTIAL_SEG = 32
+# The chunked schedule wants enough (segment, instance, lane) threads to fill a large GPU, and
+# segments short enough that a thread's recomputed segment stays in thread-private memory.
+CHUNKED_TARGET_THREADS = 1 << 17
+CHUNKED_HISTORY_FLOATS = 1024
+CHUNKED_MIN_SEG = 8
+
 
 def axis_strides(t, sizes) -> dict:
     """Row-contiguous strides of a tensor's declared axes, by axis name ("comp" for a
@@ -32,6 +51,57 @@ def axis_strides(t, sizes) -> dict:
     return strides
 
 
+def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
+    """The schedule and segment length of one call: ``(kind, seg)``.
+
+    ``auto`` runs ``chunked`` when the recurrence is state-affine, the backend has the chunked
+    form, and the sequence holds at least two chunks; else ``sequential``. ``chunked`` on a
+    recurrence that is not state-affine raises ``ValueError`` saying why. ``seg`` (the
+    checkpoint interval, which is also the chunk length) is chosen when not given."""
+    spec = rec.spec
+    if requested not in SCHEDULES:
+        raise ValueError(f"{spec.name}(): schedule must be one of {SCHEDULES}, got {requested!r}")
+    L = sizes[spec.time]
+    form = rec.affine
+    kernels = backend != "mlx"
+    if requested == "chunked":
+        if not form.time_parallel:
+            raise ValueError(f"{spec.name}(): schedule='chunked' needs a state-affine recurrence, "
+                             f"and {form.reason}; use schedule='sequential'")
+        if not kernels:
+            raise ValueError(f"{spec.name}(): schedule='chunked' runs on the kernel backends "
+                             "('metal', 'cuda', 'metal-sim'); the 'mlx' backend runs "
+                             "schedule='sequential'")
+    kind = requested
+    if requested == "auto":
+        chunk = seg or chunk_length(spec, sizes)
+        kind = "chunked" if form.time_parallel and kernels and L >= 2 * chunk else "sequential"
+    if seg is None:
+        seg = chunk_length(spec, sizes) if kind == "chunked" else SEQUENTIAL_SEG
+    return kind, min(seg, L)
+
+
+def chunk_length(spec: Spec, sizes: dict) -> int:
+    """A power-of-two chunk length for the chunked schedule: short enough to give about
+    ``CHUNKED_TARGET_THREADS`` threads, and for the recomputed chunk to fit in
+    ``CHUNKED_HISTORY_FLOATS`` per thread; at least ``CHUNKED_MIN_SEG`` steps when the history
+    allows."""
+    L = sizes[spec.time]
+    width = -(-sizes[spec.lane] // 32) * 32
+    for b in spec.batch_axes:
+        width *= sizes[b]
+    floats = (sizes[spec.state_axis] if spec.state_axis else 1) * \
+        sum(t.components for t in spec.states.values())
+    limit = min(L, max(1, L * width // CHUNKED_TARGET_THREADS))
+    seg = 1
+    while seg * 2 <= limit:
+        seg *= 2
+    seg = max(seg, CHUNKED_MIN_SEG)
+    while seg > 1 and seg * floats > CHUNKED_HISTORY_FLOATS:
+        seg //= 2
+    return seg
+
+
 @dataclass(frozen=True)
 class Schedule:
     seg: int
@@ -40,6 +110,7 @@ class Schedule:
     lane_reduction: bool  # all lanes of an instance in one group
     history: str  # "registers" | "scratch"
     state_size: int  # NS (1 without a state axis)
+    kind: str = "sequential"  # | "chunked"
 
     @property
     def simdgroups(self) -> int:
@@ -54,7 +125,7 @@ def needs_lane_reduction(spec: Spec) -> bool:
 
 
 def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
-                  shared_floats: int = 0) -> Schedule:
+                  shared_floats: int = 0, kind: str = "sequential") -> Schedule:
     lanes = sizes[spec.lane]
     padded = -(-lanes // 32) * 32
     reduce = needs_lane_reduction(spec)
@@ -76,13 +147,16 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
     groups = -(-padded // tg)
     ns = sizes[spec.state_axis] if spec.state_axis else 1
     slots = sum(t.components for t in spec.states.values())
-    history = "registers" if seg * ns * slots <= REGISTER_HISTORY_FLOATS else "scratch"
+    # The chunked schedule launches a thread per segment, so a scratch buffer of one segment per
+    # thread would hold the whole history: its recomputed segment stays in thread memory.
+    history = "registers" if kind == "chunked" or seg * ns * slots <= REGISTER_HISTORY_FLOATS \
+        else "scratch"
     if shared_floats * (tg // 32) * 4 > MAX_SHARED_BYTES:
         raise ValueError(f"{spec.name}: the in-kernel lane reduction needs "
                          f"{shared_floats * (tg // 32) * 4} bytes of threadgroup memory "
                          f"(> {MAX_SHARED_BYTES}); reduce the state size or the lane count")
     return Schedule(seg=seg, threads=tg, groups_per_instance=groups, lane_reduction=reduce,
-                    history=history, state_size=ns)
+                    history=history, state_size=ns, kind=kind)
 
 
 class MetaLayout:
@@ -100,6 +174,8 @@ class MetaLayout:
                           for t in spec.inputs.values()}
         for name, axes in self.grad_axes.items():
             self.names += [f"d{name}_stride_{b}" for b in axes]
+        # the chunked backward writes one partial sum of a parameter's gradient per segment
+        self.names += [f"d{t.name}_stride_segment" for t in spec.inputs.values() if not t.has_time]
         self.index = {n: i for i, n in enumerate(self.names)}
 
     def grad_shape(self, t, sizes) -> tuple:
@@ -136,4 +212,6 @@ class MetaLayout:
             for b in reversed(self.grad_axes[t.name]):
                 v[f"d{t.name}_stride_{b}"] = step
                 step *= sizes[b]
+            if not t.has_time:
+                v[f"d{t.name}_stride_segment"] = step
         return [v[n] for n in self.names]

@@ -5,9 +5,22 @@ All three take the same call (``mx.fast.metal_kernel``, ``mx.fast.cuda_kernel`` 
 post-kernel MLX sums are identical across targets: what the simulator and the GPU test is what
 a Mac runs.
 
-Forward kernel:  inputs..., <state>_init..., meta  ->  outputs..., <state>_final..., <state>_ckpt...
-Backward kernel: inputs..., <state>_ckpt..., d_<output>..., d_<state>_final..., meta
-                 ->  d_<input>..., d_<state>_init... [, scratch]
+Sequential schedule (one kernel per pass):
+
+  forward:  inputs..., <state>_init..., meta  ->  outputs..., <state>_final..., <state>_ckpt...
+  backward: inputs..., <state>_ckpt..., d_<output>..., d_<state>_final..., meta
+            ->  d_<input>..., d_<state>_init... [, scratch]
+
+Chunked schedule (three kernels per pass, ``render/chunked.py``):
+
+  summary:  inputs..., meta  ->  <state>_local..., prod<b>...
+  carry:    <state>_init..., <state>_local..., prod<b>..., meta  ->  <state>_final..., <state>_ckpt...
+  outputs:  inputs..., <state>_ckpt..., meta  ->  outputs...
+  residuals of the forward: <state>_ckpt..., prod<b>...
+
+  local adjoints: inputs..., <state>_ckpt..., d_<output>..., meta  ->  <state>_local...
+  carry:    d_<state>_final..., <state>_local..., prod<b>..., meta  ->  d_<state>_init..., <state>_lamend...
+  gradients: inputs..., <state>_ckpt..., d_<output>..., <state>_lamend..., meta  ->  d_<input>...
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import mlx.core as mx
 
 from ..layout import declared_shape
 from ..render.dialects import DIALECTS
+from ..render.chunked import ChunkedRenderer
 from ..render.kernels import KernelRenderer
 from ..schedule import MetaLayout, make_schedule
 
@@ -63,7 +77,26 @@ class KernelBackend:
 
     # -- names -----------------------------------------------------------------------------------
     def buffers(self, kind, schedule) -> _Buffers:
+        """Input and output buffer names of a kernel (see the module docstring)."""
         s = self.rec.spec
+        states = list(s.states)
+        local = [f"{t}_local" for t in states]
+        ckpt = [f"{t}_ckpt" for t in states]
+        prods = [ChunkedRenderer.product_buffer(b) for b in range(len(self.rec.affine.blocks))]
+        d_outs = [f"d_{t}" for t in s.outputs]
+        chunked = {
+            "summary": ([*s.inputs, "meta"], [*local, *prods]),
+            "carry": ([*(f"{t}_init" for t in states), *local, *prods, "meta"],
+                      [*(f"{t}_final" for t in states), *ckpt]),
+            "outputs": ([*s.inputs, *ckpt, "meta"], list(s.outputs)),
+            "local_adjoint": ([*s.inputs, *ckpt, *d_outs, "meta"], local),
+            "adjoint_carry": ([*(f"d_{t}_final" for t in states), *local, *prods, "meta"],
+                              [*(f"d_{t}_init" for t in states), *(f"{t}_lamend" for t in states)]),
+            "gradients": ([*s.inputs, *ckpt, *d_outs, *(f"{t}_lamend" for t in states), "meta"],
+                          [f"d_{t}" for t in s.inputs]),
+        }
+        if kind in chunked:
+            return _Buffers(*chunked[kind])
         if kind == "forward":
             return _Buffers([*s.inputs, *(f"{t}_init" for t in s.states), "meta"],
                             [*s.outputs, *(f"{t}_final" for t in s.states),
@@ -76,8 +109,15 @@ class KernelBackend:
 
     def render(self, kind, schedule, dtypes_text):
         """(body, header) of a kernel."""
-        r = KernelRenderer(self.rec, self.dialect, schedule)
-        body = r.forward() if kind == "forward" else r.backward()
+        if schedule.kind == "chunked":
+            r = ChunkedRenderer(self.rec, self.dialect, schedule)
+            body = {"summary": r.summary, "carry": lambda: r.carry(reverse=False),
+                    "outputs": r.forward, "local_adjoint": lambda: r.backward(lambda_only=True),
+                    "adjoint_carry": lambda: r.carry(reverse=True),
+                    "gradients": r.backward}[kind]()
+        else:
+            r = KernelRenderer(self.rec, self.dialect, schedule)
+            body = r.forward() if kind == "forward" else r.backward()
         return body, r.header(kind, dtypes_text)
 
     def kernel(self, kind, schedule, dtypes_text):
@@ -93,17 +133,21 @@ class KernelBackend:
         return self._kernels[key]
 
     # -- shapes ----------------------------------------------------------------------------------
-    def _schedule(self, sizes, seg, threads):
+    def _schedule(self, sizes, seg, threads, kind="sequential"):
         spec = self.rec.spec
         rows = sum((sizes[spec.state_axis] if t.has_state_axis else 1) * t.components
                    for t in spec.inputs.values() if not t.has_lane)
-        return make_schedule(spec, sizes, seg, threads, shared_floats=rows)
+        return make_schedule(spec, sizes, seg, threads, shared_floats=rows, kind=kind)
 
-    def _launch(self, sizes, schedule):
+    def _launch(self, sizes, schedule, per_segment=False):
+        """(instances, grid, threadgroup): one thread per (instance, lane), and per segment
+        for the chunked schedule's per-segment kernels (segments outermost)."""
         instances = 1
         for b in self.rec.spec.batch_axes:
             instances *= sizes[b]
         total = instances * schedule.groups_per_instance * schedule.threads
+        if per_segment:
+            total *= -(-sizes[self.rec.spec.time] // schedule.seg)
         if total >= 2**31:
             raise ValueError(f"{self.rec.spec.name}: {total} threads exceed one kernel launch "
                              "(2^31); split the batch")
@@ -114,10 +158,29 @@ class KernelBackend:
 
     def _ckpt_shape(self, t, sizes, schedule, instances):
         segments = -(-sizes[self.rec.spec.time] // schedule.seg)
-        return (segments, instances, t.components, schedule.state_size, sizes[self.rec.spec.lane])
+        width = schedule.state_size if t.has_state_axis else 1
+        return (segments, instances, t.components, width, sizes[self.rec.spec.lane])
+
+    def _state_buffer_shapes(self, sizes, schedule, instances):
+        return [self._ckpt_shape(t, sizes, schedule, instances) for t in self.rec.spec.states.values()]
+
+    def _product_shapes(self, sizes, schedule, instances):
+        segments = -(-sizes[self.rec.spec.time] // schedule.seg)
+        return [(segments, instances, b.size * b.size, schedule.state_size if b.pointwise else 1,
+                 sizes[self.rec.spec.lane]) for b in self.rec.affine.blocks]
+
+    def _run(self, kind, sch, sizes, inputs, shapes, dtypes, dtypes_text, template=()):
+        instances, grid, group = self._launch(sizes, sch, per_segment=kind in (
+            "summary", "outputs", "local_adjoint", "gradients"))
+        kernel = self.kernel(kind, sch, dtypes_text)
+        return kernel(inputs=[*inputs, self._meta(sizes, sch)],
+                      template=[*sch.template(), *template], grid=grid, threadgroup=group,
+                      output_shapes=shapes, output_dtypes=dtypes)
 
     # -- passes ----------------------------------------------------------------------------------
-    def forward(self, inputs, states, sizes, seg, out_dtype, threads=None):
+    def forward(self, inputs, states, sizes, seg, out_dtype, threads=None, schedule="sequential"):
+        if schedule == "chunked":
+            return self._forward_chunked(inputs, states, sizes, seg, out_dtype, threads)
         spec = self.rec.spec
         sch = self._schedule(sizes, seg, threads)
         instances, grid, group = self._launch(sizes, sch)
@@ -134,7 +197,11 @@ class KernelBackend:
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
                 list(results[n_out + n_state:]))
 
-    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg, threads=None):
+    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg, threads=None,
+                 schedule="sequential"):
+        if schedule == "chunked":
+            return self._backward_chunked(inputs, states, residuals, d_outputs, d_finals, sizes,
+                                          seg, threads)
         spec = self.rec.spec
         sch = self._schedule(sizes, seg, threads)
         instances, grid, group = self._launch(sizes, sch)
@@ -150,15 +217,70 @@ class KernelBackend:
                                  *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
                          template=sch.template(), grid=grid, threadgroup=group,
                          output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes))
+        n_in = len(spec.inputs)
+        grads = self._finish_grads(inputs, results[:n_in])
+        d_init = [g.astype(x.dtype) for g, x in zip(results[n_in:n_in + len(spec.states)], states)]
+        return grads, d_init
+
+    def _finish_grads(self, inputs, results):
+        """Sum the kernel's gradient buffers over their leading axes (batch axes the input
+        lacks; segments, for the chunked schedule's parameter gradients) in a fixed order."""
         grads = []
-        for t, x, g in zip(spec.inputs.values(), inputs, results):
-            lead = len(self.meta.grad_axes[t.name])
+        for t, x, g in zip(self.rec.spec.inputs.values(), inputs, results):
+            lead = g.ndim - len(t.axes)
             if lead:
                 g = mx.sum(g, axis=tuple(range(lead)))
             grads.append(g.astype(x.dtype))
-        n_in = len(spec.inputs)
-        d_init = [g.astype(x.dtype) for g, x in zip(results[n_in:n_in + len(spec.states)], states)]
-        return grads, d_init
+        return grads
+
+    # -- the chunked schedule --------------------------------------------------------------------
+    def _forward_chunked(self, inputs, states, sizes, seg, out_dtype, threads):
+        spec = self.rec.spec
+        sch = self._schedule(sizes, seg, threads, kind="chunked")
+        instances = self._launch(sizes, sch)[0]
+        in_dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs)
+        n_state = len(spec.states)
+        per_state = self._state_buffer_shapes(sizes, sch, instances)
+        prods = self._product_shapes(sizes, sch, instances)
+        f32 = mx.float32
+        summary = self._run("summary", sch, sizes, inputs, per_state + prods,
+                            [f32] * (n_state + len(prods)), in_dtypes)
+        local, prod = list(summary[:n_state]), list(summary[n_state:])
+        state_shapes = [declared_shape(t, sizes) for t in spec.states.values()]
+        carried = self._run("carry", sch, sizes, [*states, *local, *prod],
+                            state_shapes + per_state, [f32] * (2 * n_state),
+                            ", ".join(_dtype_name(x.dtype) for x in states))
+        finals, ckpts = list(carried[:n_state]), list(carried[n_state:])
+        outs = self._run("outputs", sch, sizes, [*inputs, *ckpts],
+                         [declared_shape(t, sizes) for t in spec.outputs.values()],
+                         [out_dtype] * len(spec.outputs),
+                         in_dtypes + f" -> {_dtype_name(out_dtype)}", [("OutT", out_dtype)])
+        return list(outs), finals, ckpts + prod
+
+    def _backward_chunked(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                          threads):
+        spec = self.rec.spec
+        sch = self._schedule(sizes, seg, threads, kind="chunked")
+        instances = self._launch(sizes, sch)[0]
+        n_state = len(spec.states)
+        ckpts, prods = residuals[:n_state], residuals[n_state:]
+        per_state = self._state_buffer_shapes(sizes, sch, instances)
+        dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+        f32 = mx.float32
+        local = self._run("local_adjoint", sch, sizes, [*inputs, *ckpts, *d_outputs], per_state,
+                          [f32] * n_state, dtypes)
+        carried = self._run("adjoint_carry", sch, sizes,
+                            [*[g.astype(f32) for g in d_finals], *local, *prods],
+                            [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
+                            [f32] * (2 * n_state), "float32")
+        d_init, lam_end = carried[:n_state], list(carried[n_state:])
+        segments = -(-sizes[spec.time] // sch.seg)
+        shapes = [((segments,) if not t.has_time else ()) + self.meta.grad_shape(t, sizes)
+                  for t in spec.inputs.values()]
+        results = self._run("gradients", sch, sizes, [*inputs, *ckpts, *d_outputs, *lam_end],
+                            shapes, [f32] * len(shapes), dtypes)
+        grads = self._finish_grads(inputs, results)
+        return grads, [g.astype(x.dtype) for g, x in zip(d_init, states)]
 
 
 class _ArrayInfo:

@@ -177,10 +177,8 @@ class KernelRenderer:
                 sym = spec.symbols[Slot(t.name, c)]
                 comp = f" + {c} * {t.name}_stride_comp" if t.components > 1 else ""
                 n = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
-                ck = (f"(((s * instances + instance) * {t.components} + {c}) * NS + "
-                      f"{'n' if t.has_state_axis else '0'}) * lanes + lane")
                 states.append(dict(sym=str(sym), vector=t.has_state_axis, tensor=t.name,
-                                   offset=f"{t.name}_base{comp}{n}", ckpt=ck))
+                                   offset=f"{t.name}_base{comp}{n}", ckpt=self.ckpt_offset(t, c)))
         def shape_text(t):
             return " ".join(str(a) for a in t.axes)
 
@@ -191,7 +189,16 @@ class KernelRenderer:
                        f"{spec.state_axis or '(none)'}, batch axes {' '.join(spec.batch_axes) or '(none)'}"]
         return dict(d=d, spec=spec.name, kind=kind, meta=list(enumerate(self.meta.names)),
                     coords=coords, bases=bases, states=states, schedule=self.schedule,
-                    description=description, i64=d.int64)
+                    description=description, i64=d.int64, segment_in_grid=False)
+
+    @staticmethod
+    def ckpt_offset(t, component, segment="s") -> str:
+        """Element offset in a buffer of one state per segment (checkpoints), laid out
+        ``[segment, instance, component, NS or 1, lane]``: lanes fastest, so a simdgroup's
+        reads and writes are contiguous."""
+        n, width = ("n", "NS") if t.has_state_axis else ("0", "1")
+        return (f"((({segment} * instances + instance) * {t.components} + {component}) * {width} "
+                f"+ {n}) * lanes + lane")
 
     def header(self, kind, dtypes_text):
         ctx = self._common(kind)
@@ -200,6 +207,11 @@ class KernelRenderer:
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self):
+        return self._render_forward(segment_in_grid=False)
+
+    def _render_forward(self, segment_in_grid):
+        """The forward sweep: over all steps from the initial state, writing checkpoints and
+        the final state, or (``segment_in_grid``) over one segment from its checkpoint."""
         spec = self.spec
         writer = StepWriter(self.rec, self.d)
         commit_state = _commit_state(spec)
@@ -214,13 +226,22 @@ class KernelRenderer:
 
         prog = self.rec.forward_program
         ctx = self._common("forward")
-        ctx.update(loads=writer.step_loads(prog, "    "), step=writer.program(prog, route, "    "))
+        ctx.update(loads=writer.step_loads(prog, "    "), step=writer.program(prog, route, "    "),
+                   segment_in_grid=segment_in_grid)
         body = environment().get_template("forward.j2").render(**ctx)
         return body
 
     # -- backward ----------------------------------------------------------------------------
     def backward(self):
-        spec, d, sch = self.spec, self.d, self.schedule
+        return self._render_backward(self.rec.adjoint.program)
+
+    def _render_backward(self, program, segment_in_grid=False, lambda_only=False):
+        """The adjoint sweep: over all segments newest first, from the final state's cotangent,
+        writing gradients and the initial state's gradient; or (``segment_in_grid``) over one
+        segment from its end adjoint, with parameter gradients summed per segment; or
+        (``lambda_only``, a program with only ``λ`` stores) from a zero adjoint, writing the
+        segment's local adjoint."""
+        spec, d = self.spec, self.d
         writer = StepWriter(self.rec, d)
         # gradients reduced over lanes, by (input tensor, component): per step, or once at the end
         time_rows, param_rows = {}, {}
@@ -255,7 +276,7 @@ class KernelRenderer:
                     f"{pad}  if (simd_lane == 0) {{ red[({slot.offset} + {n_idx}) * NSG + simd_group] = lanes_sum; }}",
                     f"{pad}}}"], []
 
-        for t in spec.inputs.values():
+        for t in ([] if lambda_only else spec.inputs.values()):
             for c in range(t.components):
                 size = "NS" if t.has_state_axis else "1"
                 n_term = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
@@ -279,20 +300,29 @@ class KernelRenderer:
             t = spec.states[slot.tensor]
             comp = f" + {slot.component} * {t.name}_stride_comp" if t.components > 1 else ""
             n = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
-            lam.append(dict(sym=str(sym), vector=t.has_state_axis,
-                            src=f"d_{t.name}_final[{t.name}_base{comp}{n}]",
-                            dst=f"d_{t.name}_init[{t.name}_base{comp}{n}]"))
+            if lambda_only:
+                src = "0.0f"
+            elif segment_in_grid:
+                src = f"{t.name}_lamend[{self.ckpt_offset(t, slot.component, 'segment')}]"
+            else:
+                src = f"static_cast<float>(d_{t.name}_final[{t.name}_base{comp}{n}])"
+            lam.append(dict(sym=str(sym), vector=t.has_state_axis, src=src,
+                            dst=f"d_{t.name}_init[{t.name}_base{comp}{n}]",
+                            local=f"{t.name}_local[{self.ckpt_offset(t, slot.component)}]"))
         grad_bases = []
-        for t in spec.inputs.values():
+        for t in ([] if lambda_only else spec.inputs.values()):
             extra = [f" + idx_{b} * d{t.name}_stride_{b}" for b in self.meta.grad_axes[t.name]]
+            if segment_in_grid and not t.has_time:  # one partial sum per segment
+                extra.append(f" + segment * d{t.name}_stride_segment")
             grad_bases.append(f"const {d.int64} d_{t.name}_base = {t.name}_base{''.join(extra)};")
         ctx = self._common("backward")
         n_slots = sum(t.components for t in spec.states.values())
         ctx.update(
             recompute_loads=writer.step_loads(recompute, "      "),
             recompute=writer.program(recompute, _commit_state(spec), "      "),
-            loads=writer.step_loads(adj.program, "      "),
-            step=writer.program(adj.program, route, "      "),
+            loads=writer.step_loads(program, "      "),
+            step=writer.program(program, route, "      "),
+            segment_in_grid=segment_in_grid, lambda_only=lambda_only,
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
             time_count=rows(time_rows),

@@ -1,0 +1,214 @@
+"""Affine analysis: is the state update ``h' = M(inputs) h + b(inputs)``?
+
+When it is, a sequence of steps composes into one affine map, so time can run in parallel:
+every segment summarises itself from a zero state (its local end state and its composed
+multiplier ``P = M_last ... M_first``), a short carry over segments turns summaries into the
+states at segment starts, and every segment then reruns its steps from its own start. The
+adjoint is affine in ``λ`` with the transposed multipliers, so the backward runs the same three
+phases in reverse. One analysis serves every backend.
+
+The multiplier must be block-diagonal over the state index: each state element ``h[n]`` is
+mixed only with the same element ``n`` of the other components of its block (a scalar per
+element for GLA, SSD, RG-LRU; a 2x2 rotation for the rotational LRU). The analysis is symbolic:
+
+* a reduction over the state axis that reads the state (``Σ_n k[n] h[n]``, a delta rule)
+  makes any update that reads it non-affine in this sense — it mixes state elements;
+* ``M = ∂F/∂h`` must not depend on the state (``tanh(h)``, ``max(h, x)`` and ``|h|`` fail);
+* a state with the state axis and one without may not feed each other's updates.
+
+Outputs may be any function of the states: they are recomputed per segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from .ir import Program, StepIR, schedule_forward
+from .spec import Slot
+
+
+@dataclass(frozen=True)
+class AffineBlock:
+    """State slots mixed with each other by the multiplier, and the multiplier itself.
+
+    ``multiplier[i][j] = ∂F_i/∂h_j`` over the step's inputs and state-free reductions.
+    ``vector``: the slots carry the state axis. ``pointwise``: some entry varies over the state
+    index (SSD's ``exp(delta A[n])``); otherwise one multiplier serves every element (GLA's
+    ``g``), and the composed multiplier is stored once per lane instead of once per element."""
+
+    slots: tuple
+    multiplier: tuple  # K x K sympy expressions
+    vector: bool
+    pointwise: bool
+    components: int = 1  # of the slots' tensor, for labels
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class AffineForm:
+    """The result of the analysis: blocks when time-parallel, else the reason it is not."""
+
+    time_parallel: bool
+    reason: str
+    blocks: tuple = ()
+
+    def describe(self) -> str:
+        if not self.time_parallel:
+            return f"sequential only: {self.reason}"
+        parts = []
+        for b in self.blocks:
+            names = ", ".join(s.label(b.components) for s in b.slots)
+            kind = "per state element" if b.pointwise else "per lane"
+            shape = "scalar" if b.size == 1 else f"{b.size}x{b.size} block"
+            parts.append(f"{names}: {shape} multiplier {kind}")
+        return "time-parallel (state-affine: h' = M h + b; " + "; ".join(parts) + ")"
+
+
+def _state_dependent_reductions(ir: StepIR, state_syms: set) -> dict:
+    """Reductions whose body reads the state, directly or through another such reduction."""
+    dependent = {}
+    for r in ir.reductions:  # ordered by level: a reduction only reads lower levels
+        reads = r.body.free_symbols & (state_syms | set(dependent))
+        if reads:
+            dependent[r.target] = r
+    return dependent
+
+
+def analyse(ir: StepIR) -> AffineForm:
+    """Decide symbolically whether the step's state update is affine with a block-diagonal
+    multiplier, and return its blocks."""
+    spec = ir.spec
+    slots = spec.state_slots()
+
+    def label(slot):
+        return slot.label(spec.states[slot.tensor].components)
+
+    sym = {s: spec.symbols[s] for s in slots}
+    state_syms = set(sym.values())
+    dependent = _state_dependent_reductions(ir, state_syms)
+
+    entries = {}
+    for s in slots:
+        update = ir.new_state[s]
+        reads = update.free_symbols & set(dependent)
+        if reads:
+            r = dependent[sorted(reads, key=str)[0]]
+            return AffineForm(False, f"the update of state '{label(s)}' reads the state through "
+                                     f"the reduction {r.target} = Σ({r.body}) over the state axis "
+                                     "(a delta-rule-like read mixes state elements)")
+        for other in slots:
+            m = sympy.diff(update, sym[other]) if sym[other] in update.free_symbols else sympy.S.Zero
+            if m.free_symbols & state_syms:
+                return AffineForm(False, f"the update of state '{label(s)}' is not affine in "
+                                         f"'{label(other)}': ∂/∂{label(other)} = {m} depends on "
+                                         "the state")
+            if m != 0 and ir.is_vector_slot(s) != ir.is_vector_slot(other):
+                return AffineForm(False, f"the update of state '{label(s)}' reads state "
+                                         f"'{label(other)}', and only one of them carries the "
+                                         "state axis (the multiplier is not block-diagonal)")
+            entries[(s, other)] = m
+
+    # Blocks: slots connected by a nonzero off-diagonal multiplier entry.
+    parent = {s: s for s in slots}
+
+    def root(s):
+        while parent[s] != s:
+            s = parent[s]
+        return s
+
+    for (a, b), m in entries.items():
+        if a != b and m != 0:
+            parent[root(a)] = root(b)
+    groups: dict = {}
+    for s in slots:
+        groups.setdefault(root(s), []).append(s)
+    vector_syms = set(ir.vector)
+    blocks = []
+    for members in groups.values():
+        mult = tuple(tuple(entries[(a, b)] for b in members) for a in members)
+        pointwise = any(e.free_symbols & vector_syms for row in mult for e in row)
+        comps = spec.states[members[0].tensor].components
+        blocks.append(AffineBlock(tuple(members), mult, ir.is_vector_slot(members[0]), pointwise,
+                                  comps))
+    return AffineForm(True, "", tuple(blocks))
+
+
+# ---------------------------------------------------------------------------------------------
+# The segment summary: the state update plus the running product of multipliers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProductEntry:
+    """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it."""
+
+    block: int
+    row: int
+    col: int
+    symbol: sympy.Symbol
+    pointwise: bool
+
+    @property
+    def slot(self) -> Slot:
+        return Slot(str(self.symbol), 0)
+
+
+class _SummaryIR(StepIR):
+    """The step IR extended with product entries, which are state-like slots of their own."""
+
+    product_vector: frozenset = frozenset()
+
+    def is_vector_slot(self, slot):
+        if slot.tensor in self.spec.tensors:
+            return super().is_vector_slot(slot)
+        return slot in self.product_vector
+
+
+def product_entries(ir: StepIR, form: AffineForm) -> list:
+    """One symbol per entry of every block's composed multiplier ``P``."""
+    out = []
+    for b, block in enumerate(form.blocks):
+        for i in range(block.size):
+            for j in range(block.size):
+                out.append(ProductEntry(b, i, j, ir.namer(f"P{b}_{i}{j}"), block.pointwise))
+    return out
+
+
+def summary_program(ir: StepIR, form: AffineForm, products: list) -> Program:
+    """One step of a segment summary: the state update (run from a zero state it yields the
+    segment's local end state) and ``P <- M P`` (from the identity, the composed multiplier).
+    Stores are all of kind ``state``: product entries are stored to their own slots."""
+    entry = {(p.block, p.row, p.col): p for p in products}
+    new_state = {s: ir.new_state[s] for s in ir.spec.state_slots()}
+    for b, block in enumerate(form.blocks):
+        for i in range(block.size):
+            for j in range(block.size):
+                new_state[entry[(b, i, j)].slot] = sympy.Add(*[
+                    block.multiplier[i][k] * entry[(b, k, j)].symbol for k in range(block.size)])
+    reads = set().union(*(e.free_symbols for e in new_state.values()))
+    keep = _with_dependencies(ir.reductions, reads)
+    vector = set(ir.vector) | {p.symbol for p in products if p.pointwise}
+    summary = _SummaryIR(ir.spec, keep, new_state, {}, frozenset(vector), ir.namer)
+    summary.product_vector = frozenset(p.slot for p in products if p.pointwise)
+    return schedule_forward(summary)
+
+
+def _with_dependencies(reductions, reads) -> list:
+    targets = {r.target: r for r in reductions}
+    need = {s for s in reads if s in targets}
+    frontier = list(need)
+    while frontier:
+        for s in targets[frontier.pop()].body.free_symbols:
+            if s in targets and s not in need:
+                need.add(s)
+                frontier.append(s)
+    return [r for r in reductions if r.target in need]
+
+
+__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "analyse", "product_entries",
+           "summary_program"]

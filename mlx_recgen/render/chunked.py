@@ -1,0 +1,137 @@
+"""Render the kernels of the chunked schedule (see ``schedule.py``).
+
+Six kernels, three per pass, all from the IR's affine analysis (``affine.py``):
+
+forward   summary   one thread per (segment, instance, lane): the segment's local end state
+                    from a zero state and its composed multiplier ``P`` (``chunked_summary.j2``)
+          carry     one thread per (instance, lane): ``h <- P h + local`` over segments, writing
+                    the checkpoints and the final state (``chunked_carry.j2``)
+          outputs   one thread per (segment, instance, lane): the forward step from the
+                    segment's checkpoint, writing outputs (``forward.j2``, segment mode)
+backward  summary   per segment: recompute from the checkpoint, sweep ``λ`` from zero with the
+                    adjoint's ``λ`` statements only (``backward.j2``, segment and λ-only mode)
+          carry     ``λ <- Pᵀ λ + local`` over segments, newest first, writing the adjoint at
+                    every segment's end and the initial state's gradient (``chunked_carry.j2``)
+          gradients per segment: the full adjoint sweep from the segment's end adjoint, writing
+                    gradients; parameter gradients go to one partial sum per segment, summed
+                    afterwards in a fixed order (``backward.j2``, segment mode)
+
+Buffers that hold one state per segment (checkpoints, local states, local and end adjoints)
+share the checkpoint layout ``[segment, instance, component, NS or 1, lane]``; the composed
+multiplier of block ``b`` is ``prod<b>`` with layout ``[segment, instance, entry, NS or 1, lane]``.
+"""
+
+from __future__ import annotations
+
+from ..affine import product_entries, summary_program
+from ..ir import prune
+from .kernels import KernelRenderer, StepWriter, environment
+
+
+class ChunkedRenderer(KernelRenderer):
+    """Template contexts of the chunked schedule's kernels."""
+
+    def __init__(self, rec, dialect, schedule):
+        super().__init__(rec, dialect, schedule)
+        self.form = rec.affine
+        self.products = product_entries(rec.ir, self.form)
+
+    def _common(self, kind):
+        ctx = super()._common(kind)
+        ctx["segment_in_grid"] = kind != "carry"
+        return ctx
+
+    # -- names of the per-segment buffers ------------------------------------------------------
+    @staticmethod
+    def product_buffer(block: int) -> str:
+        return f"prod{block}"
+
+    def _product_offset(self, p, entries: int) -> str:
+        n = "n" if p.pointwise else "0"
+        width = "NS" if p.pointwise else "1"
+        e = p.row * entries + p.col
+        return (f"(((s * instances + instance) * {entries * entries} + {e}) * {width} + {n}) "
+                f"* lanes + lane")
+
+    def _products_ctx(self):
+        out = []
+        for p in self.products:
+            block = self.form.blocks[p.block]
+            out.append(dict(sym=str(p.symbol), pointwise=p.pointwise, identity="1.0f" if p.row == p.col
+                            else "0.0f", buffer=self.product_buffer(p.block),
+                            offset=self._product_offset(p, block.size)))
+        return out
+
+    # -- forward -------------------------------------------------------------------------------
+    def summary(self):
+        """Forward phase 1: local end state and composed multiplier of every segment."""
+        spec = self.spec
+        program = summary_program(self.rec.ir, self.form, self.products)
+        writer = StepWriter(self.rec, self.d)
+        symbols = {**spec.symbols, **{p.slot: p.symbol for p in self.products}}
+        for p in self.products:
+            writer.names[p.symbol] = f"{p.symbol}_s[n]" if p.pointwise else f"{p.symbol}_s"
+
+        def route(store, value, in_loop, pad):
+            return [], [f"{pad}{symbols[store.slot]}_s{'[n]' if in_loop else ''} = {value};"]
+
+        ctx = self._common("summary")
+        ctx.update(loads=writer.step_loads(program, "    "),
+                   step=writer.program(program, route, "    "),
+                   products=self._products_ctx())
+        return environment().get_template("chunked_summary.j2").render(**ctx)
+
+    def carry(self, reverse: bool):
+        """Phase 2 of either pass: the carry over segments. Forward: ``h <- P h + local``,
+        oldest segment first; backward (``reverse``): ``λ <- Pᵀ λ + local``, newest first."""
+        spec = self.spec
+        updates = []
+        for b, block in enumerate(self.form.blocks):
+            syms = [spec.symbols[s] for s in block.slots]
+            comps = [s.component for s in block.slots]
+            t = spec.states[block.slots[0].tensor]
+            pad = "      " if block.vector else "    "
+            lines = []
+            for i in range(block.size):
+                lines.append(f"{pad}const float old_{i} = {syms[i]}_s{'[n]' if block.vector else ''};")
+            for p in self.products:
+                if p.block == b:
+                    lines.append(f"{pad}const float p_{p.row}{p.col} = {self.product_buffer(b)}"
+                                 f"[{self._product_offset(p, block.size)}];")
+            for i in range(block.size):
+                terms = [f"p_{j}{i} * old_{j}" if reverse else f"p_{i}{j} * old_{j}"
+                         for j in range(block.size)]
+                local = f"{t.name}_local[{self.ckpt_offset(t, comps[i])}]"
+                lines.append(f"{pad}{syms[i]}_s{'[n]' if block.vector else ''} = "
+                             f"{' + '.join(terms)} + {local};")
+            if block.vector:
+                lines = ["    for (int n = 0; n < NS; ++n) {", *lines, "    }"]
+            else:
+                lines = ["    {", "      const int n = 0; (void)n;", *[" " * 2 + x for x in lines], "    }"]
+            updates += lines
+        ctx = self._common("carry")
+        names = [(t.name, f"d_{t.name}_final" if reverse else f"{t.name}_init",
+                  f"{t.name}_lamend" if reverse else f"{t.name}_ckpt",
+                  f"d_{t.name}_init" if reverse else f"{t.name}_final") for t in spec.states.values()]
+        buffers = {tensor: dict(first=first, boundary=boundary, last=last)
+                   for tensor, first, boundary, last in names}
+        for st in ctx["states"]:
+            st.update(buffers[st["tensor"]])
+        ctx.update(updates=updates, reverse=reverse)
+        return environment().get_template("chunked_carry.j2").render(**ctx)
+
+    def forward(self):
+        """Forward phase 3: every segment from its checkpoint, writing the outputs."""
+        return self._render_forward(segment_in_grid=True)
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, lambda_only: bool = False):
+        """Backward phase 1 (``lambda_only``: the local adjoint of every segment) or phase 3
+        (every segment's adjoint sweep from its end adjoint, writing gradients)."""
+        program = self.rec.adjoint.program
+        if lambda_only:
+            program = prune(program, lambda store: store.kind == "lambda")
+        return self._render_backward(program, segment_in_grid=True, lambda_only=lambda_only)
+
+
+__all__ = ["ChunkedRenderer"]
