@@ -112,11 +112,13 @@ class Recurrence:
     def source(self, kernel: str = "forward", backend: str = "metal", dtype=mx.float32, **schedule):
         """The full source of a kernel as the backend compiles it.
 
-        ``kernel`` is ``"forward"`` or ``"backward"``; ``backend`` is ``"metal"``, ``"cuda"`` or
-        ``"mlx"`` (the rendered Python step function)."""
-        if kernel not in ("forward", "backward"):
-            raise ValueError(f"kernel must be 'forward' or 'backward', got {kernel!r}")
+        ``kernel`` is ``"forward"`` or ``"backward"`` (the sequential schedule's kernels), or with
+        ``schedule="chunked"`` one of ``"summary"``, ``"carry"``, ``"outputs"``,
+        ``"local_adjoint"``, ``"adjoint_carry"``, ``"gradients"``; ``backend`` is ``"metal"``,
+        ``"cuda"`` or ``"mlx"`` (the rendered Python step function)."""
         if backend == "mlx":
+            if kernel not in ("forward", "backward"):
+                raise ValueError(f"kernel must be 'forward' or 'backward', got {kernel!r}")
             b = self._backend("mlx")
             return (b.forward_step if kernel == "forward" else b.backward_step).source
         from .backends.kernels import kernel_source

@@ -41,7 +41,12 @@ CASES = [
     ("rglru", dict(b=1, L=1, D=33), 32),
     ("rotlru", dict(b=2, L=13, P=5), 4),
     ("rotlru", dict(b=1, L=6, P=33), 32),
+    # many segments: the chunked schedule's carry runs over 19 and 17 of them
+    ("ssd", dict(b=1, L=37, H=1, P=7, N=3), 2),
+    ("rglru", dict(b=2, L=50, D=9, negative=True), 3),
 ]
+
+SCHEDULES = ["sequential", "chunked"]
 
 
 def _ids(case):
@@ -49,25 +54,27 @@ def _ids(case):
     return f"{spec}-" + "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-seg{seg}"
 
 
-def _run(spec, backend, inputs, h0, Wy, Wh, seg):
+def _run(spec, backend, inputs, h0, Wy, Wh, seg, schedule="sequential"):
     rec = rg.load_spec(spec)
 
     def fn(*args):
-        return rec(*args[:-1], initial_state=args[-1], return_state=True, backend=backend, seg=seg)
+        return rec(*args[:-1], initial_state=args[-1], return_state=True, backend=backend, seg=seg,
+                   schedule=schedule)
 
     return value_and_grads(fn, inputs, h0, Wy, Wh)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_fp32_matches_reference(backend, case):
+def test_fp32_matches_reference(backend, case, schedule):
     spec, sizes, seg = case
     inputs, h0 = INPUTS[spec](**sizes)
     ref = REFERENCES[spec]
     y_ref, h_ref = ref(*inputs, h0)
     Wy, Wh = state_loss_weights(y_ref, h_ref)
     ry, rh, rgrads = value_and_grads(lambda *a: ref(*a[:-1], a[-1]), inputs, h0, Wy, Wh)
-    ky, kh, kgrads = _run(spec, backend, inputs, h0, Wy, Wh, seg)
+    ky, kh, kgrads = _run(spec, backend, inputs, h0, Wy, Wh, seg, schedule)
     assert ky.dtype == mx.float32
     assert rel_err(ky, ry) < 1e-5
     assert rel_err(kh, rh) < 1e-5
@@ -76,9 +83,10 @@ def test_fp32_matches_reference(backend, case):
         assert rel_err(g, r) < 1e-5, f"gradient {i} of {spec}"
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["ssd", "gla", "rglru", "rotlru"])
-def test_bf16_matches_reference_and_mlx_backend(backend, spec):
+def test_bf16_matches_reference_and_mlx_backend(backend, spec, schedule):
     sizes = dict(ssd=dict(b=2, L=11, H=2, P=5, N=4), gla=dict(b=2, L=11, H=2, K=4, V=5),
                  rglru=dict(b=2, L=11, D=7), rotlru=dict(b=2, L=11, P=5))[spec]
     inputs, h0 = INPUTS[spec](**sizes)
@@ -87,7 +95,7 @@ def test_bf16_matches_reference_and_mlx_backend(backend, spec):
     y_ref, h_ref = ref(*inputs, h0)
     Wy, Wh = state_loss_weights(y_ref, h_ref)
     ry, rh, rgrads = value_and_grads(lambda *a: ref(*a[:-1], a[-1]), inputs, h0, Wy, Wh)
-    ky, kh, kgrads = _run(spec, backend, inputs, h0, Wy, Wh, 4)
+    ky, kh, kgrads = _run(spec, backend, inputs, h0, Wy, Wh, 4, schedule)
     my, mh, mgrads = _run(spec, "mlx", inputs, h0, Wy, Wh, 4)
     assert ky.dtype == mx.bfloat16 and kh.dtype == mx.float32
     assert rel_err(ky, ry) < 2e-2 and rel_err(kh, rh) < 1e-5
@@ -99,13 +107,14 @@ def test_bf16_matches_reference_and_mlx_backend(backend, spec):
         assert rel_err(g, m) < 1e-2
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_repeated_runs_are_bit_identical(backend):
+def test_repeated_runs_are_bit_identical(backend, schedule):
     inputs, h0 = INPUTS["gla"](b=1, L=9, H=2, K=3, V=40)
     y_ref, h_ref = gla_ref(*inputs, h0)
     Wy, Wh = state_loss_weights(y_ref, h_ref)
-    first = _run("gla", backend, inputs, h0, Wy, Wh, 4)
-    second = _run("gla", backend, inputs, h0, Wy, Wh, 4)
+    first = _run("gla", backend, inputs, h0, Wy, Wh, 4, schedule)
+    second = _run("gla", backend, inputs, h0, Wy, Wh, 4, schedule)
     for a, b in zip([first[0], first[1], *first[2]], [second[0], second[1], *second[2]]):
         assert mx.array_equal(a, b).item()
 
@@ -166,8 +175,9 @@ def test_custom_spec_with_parameter_and_nonlinearity(backend):
         assert rel_err(g, r) < 1e-5
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_padded_lanes_do_not_leak_into_lane_reductions(backend):
+def test_padded_lanes_do_not_leak_into_lane_reductions(backend, schedule):
     """Padded lanes load zeros, so here their state becomes 1/0 = inf; their contributions to
     the lane-reduced gradients (of the per-step g and the parameter c) must still be zero."""
 
@@ -189,7 +199,8 @@ def test_padded_lanes_do_not_leak_into_lane_reductions(backend):
         def fn(*a):
             if kind == "reference":
                 return inverse_drive.reference(*a[:-1], initial_state=a[-1], return_state=True)
-            return inverse_drive(*a[:-1], initial_state=a[-1], return_state=True, backend=kind, seg=4)
+            return inverse_drive(*a[:-1], initial_state=a[-1], return_state=True, backend=kind,
+                                 seg=4, schedule=schedule)
         return value_and_grads(fn, [x, g, c], h0, Wy, Wh)
 
     ry, rh, rgrads = run("reference")

@@ -290,38 +290,52 @@ class _ArrayInfo:
         self.dtype, self.ndim, self.size = dtype, ndim, size
 
 
+SEQUENTIAL_KERNELS = ("forward", "backward")
+CHUNKED_KERNELS = ("summary", "carry", "outputs", "local_adjoint", "adjoint_carry", "gradients")
+
+
 def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, lanes=64,
-                  threads=None):
+                  threads=None, schedule="sequential"):
     """The full text of a kernel as the backend compiles it (MLX's generated signature included),
-    for inputs of ``dtype`` and the schedule those sizes give."""
+    for inputs of ``dtype`` and the schedule those sizes give. ``kind`` names a kernel of the
+    schedule: ``SEQUENTIAL_KERNELS`` or ``CHUNKED_KERNELS``."""
     from .mlx_source import cuda_source, metal_source
 
     if backend not in ("metal", "cuda", "metal-sim"):
         raise ValueError(f"backend must be 'metal', 'cuda' or 'mlx', got {backend!r}")
+    kinds = {"sequential": SEQUENTIAL_KERNELS, "chunked": CHUNKED_KERNELS}.get(schedule)
+    if kinds is None:
+        raise ValueError(f"schedule must be 'sequential' or 'chunked', got {schedule!r}")
+    if kind not in kinds:
+        raise ValueError(f"the {schedule} schedule's kernels are {kinds}, got {kind!r}")
+    if schedule == "chunked" and not rec.time_parallel:
+        raise ValueError(f"{rec.name} has no chunked kernels: {rec.affine.reason}")
     spec = rec.spec
     sizes = {a: 4 for a in spec.batch_axes}
     sizes.update({spec.time: 128, spec.lane: lanes})
     if spec.state_axis:
         sizes[spec.state_axis] = state_size
     impl = KernelBackend(rec, backend)
-    sch = impl._schedule(sizes, seg, threads)
+    sch = impl._schedule(sizes, seg, threads, kind=schedule)
     names = impl.buffers(kind, sch)
-    n_in = len(spec.inputs)
-    if kind == "forward":
-        dtypes_text = ", ".join([_dtype_name(dtype)] * n_in) + f" -> {_dtype_name(dtype)}"
-        infos = [_ArrayInfo(dtype, len(t.axes)) for t in spec.inputs.values()]
-        infos += [_ArrayInfo(mx.float32, len(t.axes)) for t in spec.states.values()]
-        out_dtypes = [dtype] * len(spec.outputs) + [mx.float32] * (2 * len(spec.states))
-        template = [*sch.template(), ("OutT", dtype)]
-    else:
-        dtypes_text = ", ".join([_dtype_name(dtype)] * (n_in + len(spec.outputs)))
-        infos = [_ArrayInfo(dtype, len(t.axes)) for t in spec.inputs.values()]
-        infos += [_ArrayInfo(mx.float32, 5) for _ in spec.states]
-        infos += [_ArrayInfo(dtype, len(t.axes)) for t in spec.outputs.values()]
-        infos += [_ArrayInfo(mx.float32, len(t.axes)) for t in spec.states.values()]
-        out_dtypes = [mx.float32] * len(names.outputs)
-        template = sch.template()
-    infos.append(_ArrayInfo(mx.int64, 1, len(impl.meta.names)))
+
+    def info(name):  # what MLX sees of each input buffer: dtype and rank
+        if name == "meta":
+            return _ArrayInfo(mx.int64, 1, len(impl.meta.names))
+        if name in spec.inputs:
+            return _ArrayInfo(dtype, len(spec.inputs[name].axes))
+        if name.startswith("d_") and name[2:] in spec.outputs:
+            return _ArrayInfo(dtype, len(spec.outputs[name[2:]].axes))
+        state = next((t for t in spec.states.values()
+                      if name in (f"{t.name}_init", f"d_{t.name}_final")), None)
+        return _ArrayInfo(mx.float32, len(state.axes) if state else 5)
+
+    infos = [info(n) for n in names.inputs]
+    out_dtypes = [dtype if n in spec.outputs else mx.float32 for n in names.outputs]
+    template = sch.template()
+    if kind in ("forward", "outputs"):
+        template = [*template, ("OutT", dtype)]
+    dtypes_text = ", ".join(_dtype_name(i.dtype) for i in infos[:-1])
     body, header = impl.render(kind, sch, dtypes_text)
     build = cuda_source if backend == "cuda" else metal_source
     _, text = build(f"recgen_{spec.name}_{kind}", names.inputs, names.outputs, body, header,
