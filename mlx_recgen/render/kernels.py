@@ -306,7 +306,8 @@ class KernelRenderer:
                 src = f"{t.name}_lamend[{self.ckpt_offset(t, slot.component, 'segment')}]"
             else:
                 src = f"static_cast<float>(d_{t.name}_final[{t.name}_base{comp}{n}])"
-            lam.append(dict(sym=str(sym), vector=t.has_state_axis, src=src,
+            lam.append(dict(sym=str(sym), vector=t.has_state_axis,
+                            init=src if lambda_only else f"lane_ok ? {src} : 0.0f",
                             dst=f"d_{t.name}_init[{t.name}_base{comp}{n}]",
                             local=f"{t.name}_local[{self.ckpt_offset(t, slot.component)}]"))
         grad_bases = []
@@ -317,12 +318,16 @@ class KernelRenderer:
             grad_bases.append(f"const {d.int64} d_{t.name}_base = {t.name}_base{''.join(extra)};")
         ctx = self._common("backward")
         n_slots = sum(t.components for t in spec.states.values())
+        state_symbols = {spec.symbols[s] for s in spec.state_slots()}
         ctx.update(
             recompute_loads=writer.step_loads(recompute, "      "),
             recompute=writer.program(recompute, _commit_state(spec), "      "),
             loads=writer.step_loads(program, "      "),
             step=writer.program(program, route, "      "),
             segment_in_grid=segment_in_grid, lambda_only=lambda_only,
+            # an adjoint that never reads the state (a state-affine update with outputs linear
+            # in the state, swept for λ only) needs no recomputed segment
+            reads_state=bool(free_symbols(program.statements) & state_symbols),
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
             time_count=rows(time_rows),
