@@ -1,0 +1,305 @@
+"""Our kernels (both schedules) beside the hand-written peers, in one run on one GPU.
+
+    python benchmarks/bench_peers.py --out results.json     # on an NVIDIA GPU (MLX's CUDA build)
+    python benchmarks/plot_peers.py results.json            # the markdown table and the chart
+
+Peers (PyTorch): flash-linear-attention's ``fused_recurrent_simple_gla``, ``chunk_simple_gla``,
+``fused_recurrent_gla`` (per-channel decay ``gk``), ``chunk_gla``,
+``fused_recurrent_gated_delta_rule``, ``chunk_gated_delta_rule``; accelerated-scan's
+``scalar.scan``. Ours (MLX): the ``cuda`` backend with ``schedule="sequential"`` and
+``"chunked"``, and the per-step MLX loop (``rec.reference``, at the smaller shapes).
+
+For every case and dtype (fp32, bf16): forward time, forward+backward time (gradients of
+``sum(y * w)`` w.r.t. every input, fixed random ``w``) and the peak memory of forward+backward
+(each framework's own allocator counter, inputs included). Times are medians of 5 batches,
+each batch ``reps`` calls queued back to back and one synchronisation (both frameworks alike).
+Every peer's fp32 output is checked against ours (relative error) on the same inputs. A peer
+that refuses to run is recorded with its error.
+
+Mappings: SSD's ``h[p,n] <- exp(delta A[n]) h + delta B[n] u[p]; y = C.h`` is GLA with
+``q=C, k=delta*B, v=u, gk=delta*A`` (FLA gets those precomputed: its gradients are w.r.t.
+``q, k, v, gk``, ours w.r.t. ``u, delta, B, C, A``). FLA's gates are in log space; ``scale=1``.
+accelerated-scan takes ``[B, D, T]`` (its native layout, transposed outside the timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+import traceback
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_recgen as rg
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H",
+                       "beta": "B L H"},
+               outputs={"o": "B L H V"})
+def gated_delta(S, q, k, v, g, beta, i):
+    """Gated DeltaNet (Yang et al. 2024): S <- exp(g) S (I - beta k k^T) + beta v k^T, o = S q."""
+    a = rg.exp(g)
+    r = rg.Sum(k[i] * S[i], i) * a
+    S[i] = a * S[i] + beta * (v - r) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+CASES = [
+    ("gla", dict(B=3, L=2048, H=12, K=64, V=64), True),
+    ("gla", dict(B=8, L=4096, H=16, K=64, V=64), False),
+    ("ssd", dict(B=3, L=2048, H=12, P=64, N=16), True),
+    ("ssd", dict(B=8, L=4096, H=16, P=64, N=64), False),
+    ("rglru", dict(B=8, L=4096, D=1024), False),
+    ("gated_delta", dict(B=3, L=2048, H=12, K=64, V=64), True),
+    ("gated_delta", dict(B=8, L=4096, H=16, K=64, V=64), False),
+]
+
+
+def make_inputs(name, s, rng):
+    """numpy fp32 inputs in the spec's layout, in ranges that keep the recurrence stable."""
+    B, L = s["B"], s["L"]
+    n = lambda *shape, scale=1.0: (scale * rng.standard_normal(shape)).astype(np.float32)
+    u = lambda lo, hi, *shape: rng.uniform(lo, hi, shape).astype(np.float32)
+    if name == "gla":
+        H, K, V = s["H"], s["K"], s["V"]
+        return [n(B, L, H, K, scale=K ** -0.5), n(B, L, H, K, scale=K ** -0.5), n(B, L, H, V),
+                u(0.9, 1.0, B, L, H)]
+    if name == "ssd":
+        H, P, N = s["H"], s["P"], s["N"]
+        return [n(B, L, H, P), u(0.01, 0.1, B, L, H), n(B, L, H, N, scale=N ** -0.5),
+                n(B, L, H, N, scale=N ** -0.5), -u(0.3, 1.5, H, N)]
+    if name == "rglru":
+        D = s["D"]
+        return [u(0.5, 0.99, B, L, D) * np.where(rng.uniform(size=(B, L, D)) < 0.5, -1, 1).astype(np.float32),
+                n(B, L, D)]
+    H, K, V = s["H"], s["K"], s["V"]
+    k = n(B, L, H, K)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    return [n(B, L, H, K, scale=K ** -0.5), k, n(B, L, H, V), np.log(u(0.9, 1.0, B, L, H)),
+            u(0.1, 0.9, B, L, H)]
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+
+def _median_batches(run_batch, reps):
+    run_batch(1)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        run_batch(reps)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def time_mlx(fn, reps):
+    def batch(r):
+        mx.eval([fn() for _ in range(r)])
+        mx.synchronize()
+    return _median_batches(batch, reps)
+
+
+def time_torch(fn, reps):
+    import torch
+
+    def batch(r):
+        for _ in range(r):
+            fn()
+        torch.cuda.synchronize()
+    return _median_batches(batch, reps)
+
+
+def peak_mlx(fn):
+    mx.eval(fn())
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    mx.eval(fn())
+    mx.synchronize()
+    return mx.get_peak_memory()
+
+
+def peak_torch(fn):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# -- ours ------------------------------------------------------------------------------------------
+
+
+def ours(rec, xs_np, w_np, dtype, schedule, reps):
+    xs = [mx.array(x).astype(dtype) for x in xs_np]
+    w = mx.array(w_np).astype(dtype)
+    call = rec.reference if schedule == "loop" else \
+        (lambda *a: rec(*a, backend="cuda", schedule=schedule))
+    grad = mx.grad(lambda *a: mx.sum(call(*a) * w), argnums=tuple(range(len(xs))))
+    y = call(*xs)
+    mx.eval(y)
+    r = 1 if schedule == "loop" else reps
+    return dict(fwd=time_mlx(lambda: call(*xs), r), fwdbwd=time_mlx(lambda: grad(*xs), r),
+                peak=peak_mlx(lambda: grad(*xs)), y=np.array(y.astype(mx.float32)))
+
+
+# -- peers -----------------------------------------------------------------------------------------
+
+
+def peer_call(peer, name, xs):
+    """(callable on torch tensors, the tensors to differentiate) for a peer on our inputs."""
+    import torch
+
+    if peer == "accelerated_scan.scalar":
+        from accelerated_scan.scalar import scan
+        a, x = (t.transpose(1, 2).contiguous() for t in xs)
+        return (lambda a, x: scan(a, x).transpose(1, 2)), [a, x]
+    import fla.ops as ops
+
+    if name == "gla":
+        q, k, v, g = xs
+        lg = torch.log(g)
+        f = getattr(ops, peer)
+        return (lambda q, k, v, lg: f(q, k, v, g=lg, scale=1.0)[0]), [q, k, v, lg]
+    if name == "ssd":
+        u, delta, B, C, A = xs
+        k = delta[..., None] * B
+        gk = delta[..., None] * A  # log decay per channel
+        f = getattr(ops, peer)
+        if peer == "fused_recurrent_gla":
+            return (lambda q, k, v, gk: f(q, k, v, gk=gk, scale=1.0)[0]), [C, k, u, gk]
+        return (lambda q, k, v, gk: f(q, k, v, g=gk, scale=1.0)[0]), [C, k, u, gk]
+    q, k, v, g, beta = xs
+    f = getattr(ops, peer)
+    return (lambda q, k, v, g, beta: f(q, k, v, g=g, beta=beta, scale=1.0)[0]), [q, k, v, g, beta]
+
+
+def peers_run(peer, name, xs_np, w_np, dtype, reps):
+    import torch
+
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    xs = [torch.tensor(x, device="cuda").to(tdt) for x in xs_np]
+    w = torch.tensor(w_np, device="cuda").to(tdt)
+    fn, args = peer_call(peer, name, xs)
+    args = [a.detach().clone().requires_grad_(True) for a in args]
+    out = {}
+    with torch.no_grad():
+        y = fn(*args)
+    out["y"] = y.float().cpu().numpy()
+    out["fwd"] = time_torch(lambda: fn(*args), reps)
+    try:
+        def fwdbwd():
+            y = fn(*args)
+            return torch.autograd.grad(y, args, w)
+        fwdbwd()
+        out["fwdbwd"] = time_torch(fwdbwd, reps)
+        out["peak"] = peak_torch(fwdbwd)
+    except Exception as exc:  # noqa: BLE001 - a peer's refusal is a result
+        out["bwd_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return out
+
+
+PEERS = {
+    "gla": ["fused_recurrent_simple_gla", "chunk_simple_gla"],
+    "ssd": ["fused_recurrent_gla", "chunk_gla"],
+    "rglru": ["accelerated_scan.scalar"],
+    "gated_delta": ["fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule"],
+}
+
+
+def versions():
+    out = {"mlx": mx.__version__}
+    for mod in ("torch", "triton", "fla", "accelerated_scan"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as exc:  # noqa: BLE001
+            out[mod] = f"unavailable ({type(exc).__name__})"
+    try:
+        out["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                                        "--format=csv,noheader"], capture_output=True, text=True,
+                                       check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        out["device"] = str(mx.default_device())
+    return out
+
+
+def copy_bandwidth():
+    """Bytes read + written per second by a large elementwise op, MLX and PyTorch."""
+    x = mx.random.normal((1 << 28,))
+    mlx_bw = 2 * x.nbytes / time_mlx(lambda: x + 1.0, 10)
+    import torch
+    t = torch.randn(1 << 28, device="cuda")
+    torch_bw = 2 * t.numel() * 4 / time_torch(lambda: t + 1.0, 10)
+    return mlx_bw, torch_bw
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench-peers.json")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cases", default=None, help="comma-separated indices into CASES")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    result = dict(date=str(datetime.date.today()), versions=versions(), rows=[])
+    result["copy_bandwidth_mlx"], result["copy_bandwidth_torch"] = copy_bandwidth()
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    for name, shape, with_loop in cases:
+        rec = gated_delta if name == "gated_delta" else rg.load_spec(name)
+        xs = make_inputs(name, shape, rng)
+        out_shape = {"gla": ("B", "L", "H", "V"), "ssd": ("B", "L", "H", "P"),
+                     "rglru": ("B", "L", "D"), "gated_delta": ("B", "L", "H", "V")}[name]
+        w = rng.standard_normal(tuple(shape[a] for a in out_shape)).astype(np.float32)
+        for dtype in args.dtypes.split(","):
+            mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+            row = dict(spec=name, shape=shape, dtype=dtype, runs={})
+            schedules = ["sequential"] + (["chunked"] if rec.time_parallel else [])
+            if with_loop and dtype == "float32":
+                schedules.append("loop")
+            base = None
+            for sch in schedules:
+                try:
+                    r = ours(rec, xs, w, mdt, sch, args.reps)
+                    base = r["y"] if base is None else base
+                    r["err_vs_sequential"] = rel(r.pop("y"), base)
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    r = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                row["runs"][f"ours-{sch}"] = r
+                print(name, shape, dtype, sch, {k: v for k, v in r.items()}, flush=True)
+                mx.clear_cache()
+            for peer in PEERS[name]:
+                try:
+                    r = peers_run(peer, name, xs, w, dtype, args.reps)
+                    r["err_vs_ours"] = rel(r.pop("y"), base) if base is not None else None
+                except Exception as exc:  # noqa: BLE001
+                    r = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                row["runs"][peer] = r
+                print(name, shape, dtype, peer, r, flush=True)
+                try:
+                    import torch
+                    torch.cuda.empty_cache()
+                except ImportError:
+                    pass
+            result["rows"].append(row)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
