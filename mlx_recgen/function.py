@@ -2,10 +2,13 @@
 
 The glue is the same for every backend: a backend provides ``forward`` (outputs, final states
 and segment checkpoints) and ``backward`` (input and initial-state gradients from the
-checkpoints), and this module wraps the pair into a custom function with a custom VJP.
+checkpoints), and this module wraps the pair into a custom function with a custom VJP. Its JVP
+runs the tangent recurrence (``mlx_recgen.tangent``) on the same backend.
 """
 
 from __future__ import annotations
+
+import functools
 
 import mlx.core as mx
 
@@ -48,11 +51,15 @@ class Recurrence:
         self.spec = spec
         self.ir = lower(spec)
         self.forward_program = schedule_forward(self.ir)
-        self.adjoint = derive(self.ir)
         self.affine = analyse(self.ir)
         self._backends = {}
         self._functions = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
+
+    @functools.cached_property
+    def adjoint(self):
+        """The derived backward step (``mlx_recgen.adjoint``), on first use."""
+        return derive(self.ir)
 
     @property
     def name(self) -> str:
@@ -218,12 +225,18 @@ class Recurrence:
         if key in self._functions:
             return self._functions[key]
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
+        kernel = backend.name != "mlx"
+        no_vmap = _vmap_guard(backend.name) if kernel else None
 
         @mx.custom_function
         def fn(*arrays):
+            arrays = _opaque(arrays, backend.name, no_vmap)
             inputs, states = list(arrays[:n_in]), list(arrays[n_in:])
             outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype, **options)
             return (*outs, *finals, *residuals)
+
+        kernel_backward = _first_order_only(backend, n_in, n_out, n_state, sizes, seg, options) \
+            if kernel else None
 
         @fn.vjp
         def fn_vjp(primals, cotangents, outputs):
@@ -231,11 +244,53 @@ class Recurrence:
             residuals = list(outputs[n_out + n_state:])
             d_out = list(cotangents[:n_out])
             d_fin = list(cotangents[n_out:n_out + n_state])
-            grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes, seg, **options)
-            return (*grads, *d_init)
+            if kernel_backward is None:  # checkpoint cotangents matter to a second derivative
+                d_res = list(cotangents[n_out + n_state:])
+                grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes,
+                                                 seg, d_residuals=d_res, **options)
+                return (*grads, *d_init)
+            return kernel_backward(*inputs, *states, *residuals, *d_out, *d_fin)
+
+        @fn.jvp
+        def fn_jvp(primals, tangents):
+            return self._jvp(backend, seg, sizes, out_dtype, options, primals, tangents)
 
         self._functions[key] = fn
         return fn
+
+    # -- forward mode ---------------------------------------------------------------------------
+    @functools.cached_property
+    def tangent(self) -> "Recurrence":
+        """The forward-mode twin of this recurrence (``mlx_recgen.tangent``): its states, inputs
+        and outputs each followed by their tangent. ``mx.jvp`` runs it on the same backend."""
+        from .tangent import tangent_spec
+
+        return Recurrence(tangent_spec(self.spec).spec)
+
+    def tangent_ir(self) -> str:
+        """The forward step of the tangent recurrence (what ``mx.jvp`` runs)."""
+        return self.tangent.forward_ir()
+
+    def _jvp(self, backend, seg, sizes, out_dtype, options, primals, tangents):
+        """Tangents of every result of the custom function: outputs, final states and
+        checkpoints (the tangent recurrence's checkpoints of the tangent states)."""
+        tangents = [mx.zeros_like(p) if t is None else t.astype(p.dtype) if t.dtype != p.dtype
+                    else t for p, t in zip(primals, tangents)]
+        n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
+        rec = self.tangent
+        fn = rec._function(rec._backend(backend.name), seg, sizes, out_dtype, options)
+        results = fn(*primals[:n_in], *tangents[:n_in], *primals[n_in:], *tangents[n_in:])
+        d_out = results[n_out:2 * n_out]
+        d_fin = results[2 * n_out + n_state:2 * n_out + 2 * n_state]
+        if options.get("schedule", "sequential") == "chunked":
+            # The chunked residuals (checkpoints, segment products) are read only by the kernel
+            # backward, whose own derivatives raise: their tangents are never observed.
+            d_res = [mx.zeros(shape) for shape in backend.residual_shapes(
+                sizes, seg, options.get("threads"))]
+        else:
+            checkpoints = results[2 * n_out + 2 * n_state:]
+            d_res = checkpoints[len(checkpoints) // 2:]
+        return (*d_out, *d_fin, *d_res)
 
     def __call__(self, *args, initial_state=None, return_state=False, backend="auto", seg=None,
                  schedule="auto", **kwargs):
@@ -271,6 +326,63 @@ class Recurrence:
         if not return_state:
             return out
         return out, (finals[0] if len(finals) == 1 else dict(zip(self.spec.states, finals)))
+
+
+_NO_SECOND_ORDER = (
+    "second-order derivatives (mx.grad of a gradient, mx.jvp of a gradient) are not supported "
+    "by the kernel backends (backend={backend!r}): the backward kernel has no derivative of its "
+    "own. Use backend='mlx' for second-order derivatives")
+_NO_VMAP = (
+    "mx.vmap is not supported by the kernel backends (backend={backend!r}): custom kernels have "
+    "no batching rule. Fold the mapped axis into a batch axis of the spec, or use backend='mlx'")
+
+
+def _refuse(message):
+    def refuse(*_):
+        raise NotImplementedError(message)
+
+    return refuse
+
+
+def _opaque(arrays, backend, no_vmap=None):
+    """The arguments as the body of a custom function should see them. MLX's jvp and vmap walk
+    into a custom function's body (its outputs are computed there): the stop-gradient keeps jvp
+    on the custom rule (a kernel or a compiled step has no jvp), and ``no_vmap`` meets vmap
+    before any kernel does, with a clear error. The simulator is left alone: it evaluates its
+    inputs through numpy (so they must stay on the graph: an evaluated intermediate is cut from
+    it), its results are constants to MLX, and it reports compile/vmap itself."""
+    if backend == "metal-sim":
+        return list(arrays)
+    arrays = [mx.stop_gradient(a) for a in arrays]
+    return list(no_vmap(*arrays)) if no_vmap is not None else arrays
+
+
+def _vmap_guard(backend):
+    @mx.custom_function
+    def guard(*arrays):
+        return arrays
+
+    guard.vmap(_refuse(_NO_VMAP.format(backend=backend)))
+    return guard
+
+
+def _first_order_only(backend, n_in, n_out, n_state, sizes, seg, schedule):
+    """A kernel backend's backward as a custom function whose own derivatives raise: a kernel is
+    opaque to MLX, so a second derivative through it would otherwise be silently 0 (or an
+    internal error on a GPU)."""
+    @mx.custom_function
+    def backward(*arrays):
+        arrays = _opaque(arrays, backend.name)
+        inputs, states = list(arrays[:n_in]), list(arrays[n_in:n_in + n_state])
+        d_out, d_fin = list(arrays[-n_out - n_state:-n_state]), list(arrays[-n_state:])
+        residuals = list(arrays[n_in + n_state:-n_out - n_state])
+        grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes, seg,
+                                         **schedule)
+        return (*grads, *d_init)
+
+    backward.vjp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
+    backward.jvp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
+    return backward
 
 
 def default_backend() -> str:

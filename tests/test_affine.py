@@ -102,6 +102,25 @@ def vector_and_scalar_ref(a, x, z, h, c):
     return mx.stack(ys, axis=1), (h, c)
 
 
+@rg.recurrence(lane="D", state={"pos": "B D N", "vel": "B D N"},
+               inputs={"damp": "B L D", "force": "B L N"}, outputs={"y": "B L D"})
+def oscillator(pos, vel, damp, force, n):
+    """A damped oscillator per state element: a 2x2 block spanning two state tensors."""
+    p, v = pos[n], vel[n]
+    pos[n] = p + 0.1 * v
+    vel[n] = rg.sigmoid(damp) * v - 0.1 * p + force[n]
+    return {"y": rg.Sum(pos[n] * pos[n], n)}
+
+
+def oscillator_ref(damp, force, pos, vel):
+    ys = []
+    for t in range(damp.shape[1]):
+        pos, vel = (pos + 0.1 * vel,
+                    mx.sigmoid(damp[:, t])[..., None] * vel - 0.1 * pos + force[:, t][:, None, :])
+        ys.append(mx.sum(pos * pos, axis=-1))
+    return mx.stack(ys, axis=1), (pos, vel)
+
+
 def _n(*shape, scale=1.0):
     return scale * mx.random.normal(shape)
 
@@ -126,12 +145,16 @@ def _case(name):
         K, V = 3, 6
         ins = [_n(b, L, K), _n(b, L, K), _n(b, L, V), _u(0.7, 1.0, b, L), _n(K)]
         return mlstm_like, mlstm_like_ref, ins, [_n(b, K, V, scale=0.5), _n(b, K, V, scale=0.5)]
+    if name == "oscillator":
+        D, N = 6, 3
+        ins = [_n(b, L, D), _n(b, L, N, scale=0.3)]
+        return oscillator, oscillator_ref, ins, [_n(b, D, N), _n(b, D, N)]
     P, N = 5, 3
     ins = [_n(b, L, N), _n(b, L, P), _n(b, L, P)]
     return vector_and_scalar, vector_and_scalar_ref, ins, [_n(b, P, N), _n(b, P)]
 
 
-CUSTOM = ["gla_vector", "complex_lru", "mlstm_like", "vector_and_scalar"]
+CUSTOM = ["gla_vector", "complex_lru", "mlstm_like", "vector_and_scalar", "oscillator"]
 
 
 # -- the analysis ------------------------------------------------------------------------------
@@ -154,6 +177,7 @@ def test_blocks_and_multipliers():
     pair = vector_and_scalar.affine
     assert sorted(b.size for b in pair.blocks) == [1, 1] and len(pair.blocks) == 2
     assert gla_vector.affine.blocks[0].pointwise
+    assert [b.size for b in oscillator.affine.blocks] == [2]  # across the tensors pos and vel
     assert all(rec.time_parallel for rec in (complex_lru, mlstm_like))
 
 

@@ -169,6 +169,13 @@ class KernelBackend:
         return [(segments, instances, b.size * b.size, schedule.state_size if b.pointwise else 1,
                  sizes[self.rec.spec.lane]) for b in self.rec.affine.blocks]
 
+    def residual_shapes(self, sizes, seg, threads=None):
+        """Shapes of the chunked forward's residuals: checkpoints, then segment products."""
+        sch = self._schedule(sizes, seg, threads, kind="chunked")
+        instances = self._launch(sizes, sch)[0]
+        return (self._state_buffer_shapes(sizes, sch, instances)
+                + self._product_shapes(sizes, sch, instances))
+
     def _run(self, kind, sch, sizes, inputs, shapes, dtypes, dtypes_text, template=()):
         instances, grid, group = self._launch(sizes, sch, per_segment=kind in (
             "summary", "outputs", "local_adjoint", "gradients"))

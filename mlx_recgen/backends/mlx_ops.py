@@ -8,6 +8,8 @@ recomputed states are bit-identical), then sweeps the derived adjoint over the s
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..layout import canonical_shape, from_canonical, reduce_to, to_canonical
@@ -21,18 +23,27 @@ class MLXBackend:
         self.rec = rec
         spec = rec.spec
         self.forward_step = render_mlx(rec.forward_program, "forward_step")
-        self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
         self._fwd = mx.compile(self.forward_step.fn)
-        self._bwd = mx.compile(self.backward_step.fn)
         # where each step argument comes from
         self.origin = {}
         for slot, sym in spec.symbols.items():
             kind = "state" if slot.tensor in spec.states else "input"
             self.origin[sym] = (kind, slot)
-        for slot, sym in rec.adjoint.output_cotangents.items():
+
+    @functools.cached_property
+    def backward_step(self):
+        """The rendered adjoint step, on first use (a forward-only recurrence, such as the
+        tangent recurrence of ``mx.jvp``, never derives its adjoint)."""
+        adjoint = self.rec.adjoint
+        for slot, sym in adjoint.output_cotangents.items():
             self.origin[sym] = ("d_output", slot)
-        for slot, sym in rec.adjoint.state_cotangents.items():
+        for slot, sym in adjoint.state_cotangents.items():
             self.origin[sym] = ("d_state", slot)
+        return render_mlx(adjoint.program, "backward_step")
+
+    @functools.cached_property
+    def _bwd(self):
+        return mx.compile(self.backward_step.fn)
 
     # -- helpers ------------------------------------------------------------------------------
     def _ones(self, sizes):
@@ -118,7 +129,11 @@ class MLXBackend:
         residuals = [mx.stack(checkpoints[k]) for k in keys]
         return outputs, finals, residuals
 
-    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg):
+    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                 d_residuals=None):
+        """Input and initial-state gradients. ``d_residuals`` (cotangents of the checkpoints,
+        nonzero only when a gradient is differentiated again) join the state adjoint at the start
+        of their segment."""
         spec = self.rec.spec
         L, nb = sizes[spec.time], len(spec.batch_axes)
         shapes = self._state_shapes(sizes)
@@ -159,6 +174,8 @@ class MLXBackend:
                         g = reduce_to(r, x.shape)
                         param_grads[key] = g if param_grads[key] is None else param_grads[key] + g
                 lam = new_lam
+            if d_residuals is not None:
+                lam = {k: lam[k] + d_residuals[i][s] for i, k in enumerate(keys)}
 
         grads = []
         for t, x in zip(spec.inputs.values(), inputs):

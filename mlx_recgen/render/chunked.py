@@ -88,8 +88,7 @@ class ChunkedRenderer(KernelRenderer):
         updates = []
         for b, block in enumerate(self.form.blocks):
             syms = [spec.symbols[s] for s in block.slots]
-            comps = [s.component for s in block.slots]
-            t = spec.states[block.slots[0].tensor]
+            tensors = [spec.states[s.tensor] for s in block.slots]  # a block may span tensors
             pad = "      " if block.vector else "    "
             lines = []
             for i in range(block.size):
@@ -101,7 +100,8 @@ class ChunkedRenderer(KernelRenderer):
             for i in range(block.size):
                 terms = [f"p_{j}{i} * old_{j}" if reverse else f"p_{i}{j} * old_{j}"
                          for j in range(block.size)]
-                local = f"{t.name}_local[{self.ckpt_offset(t, comps[i])}]"
+                t, c = tensors[i], block.slots[i].component
+                local = f"{t.name}_local[{self.ckpt_offset(t, c)}]"
                 lines.append(f"{pad}{syms[i]}_s{'[n]' if block.vector else ''} = "
                              f"{' + '.join(terms)} + {local};")
             if block.vector:

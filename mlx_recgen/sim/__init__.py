@@ -22,6 +22,7 @@ from .errors import (
     SimdDivergenceError,
     SimulatorError,
     SimulatorSetupError,
+    SimulatorTransformError,
     UninitializedReadError,
     UnwrittenOutputError,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "find_compiler",
     "SimulatorError",
     "SimulatorSetupError",
+    "SimulatorTransformError",
     "MetalCompileError",
     "KernelRuntimeError",
     "OutOfBoundsError",

@@ -25,6 +25,11 @@ class SimulatorSetupError(SimulatorError):
     """No usable C++ compiler, or the runtime library failed to build."""
 
 
+class SimulatorTransformError(SimulatorError):
+    """The simulator was called under ``mx.compile`` or ``mx.vmap``: it runs kernels on the CPU
+    through numpy, so it needs concrete inputs, which those transformations do not provide."""
+
+
 class KernelRuntimeError(SimulatorError):
     """Base class of errors found while executing a kernel."""
 

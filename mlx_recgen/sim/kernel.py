@@ -15,7 +15,7 @@ from ..backends.mlx_source import (
     metal_template_def,
 )
 from . import compiler
-from .errors import ERROR_CLASSES, KernelRuntimeError
+from .errors import ERROR_CLASSES, KernelRuntimeError, SimulatorTransformError
 from .preprocess import check_metal_rules, to_addrspace_cpp, to_cpp
 
 try:  # mlx is a dependency of the project, but keep the module importable without it
@@ -79,12 +79,24 @@ def _to_mx(x: Any):
     return mx.array(x)
 
 
-def _to_numpy(x) -> np.ndarray:
+_TRACED = "function transformations"  # in MLX's error for an eval under compile or vmap
+
+
+def _to_numpy(x, kernel: str = "") -> np.ndarray:
     """Row-contiguous numpy copy of an mx.array (bfloat16 as uint16 bits)."""
     name = dtype_name(x.dtype)
     if name == "bfloat16":
         x = x.view(mx.uint16)
-    a = np.ascontiguousarray(np.array(x, copy=True))
+    try:
+        a = np.ascontiguousarray(np.array(x, copy=True))
+    except ValueError as exc:
+        if _TRACED not in str(exc):
+            raise
+        raise SimulatorTransformError(
+            "backend='metal-sim' cannot run under mx.compile or mx.vmap: the Metal simulator "
+            "executes kernels on the CPU through numpy and needs concrete inputs, which these "
+            "transformations do not provide. Call it outside the transformation, or use "
+            "backend='mlx' (which compiles and vmaps)", kernel=kernel or None) from None
     if a.ndim == 0:
         a = a.reshape(1)
     return a
@@ -235,7 +247,7 @@ class SimKernel:
             descs.append(_BufDesc(arr.ctypes.data, arr.nbytes, esize, kind, nb, int(uninit),
                                   int(track)))
 
-        np_inputs = [_to_numpy(x) for x in inputs]
+        np_inputs = [_to_numpy(x, kname) for x in inputs]
         for p in params:
             if p["kind"] == "input":
                 a = np_inputs[p["of"]]
@@ -265,7 +277,7 @@ class SimKernel:
                 a.view(np.uint8)[:] = 0xFF  # garbage: NaN for floats, -1 for integers
             else:
                 full = mx.full((n,), init_value, dtype=dt)
-                a = _to_numpy(full).reshape(n).copy()
+                a = _to_numpy(full, kname).reshape(n).copy()
             outs.append((a, name, shape))
         for p in params:
             if p["kind"] == "output":
