@@ -451,9 +451,14 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
     return spec
 
 
+_NOT_REAL = {sympy.I: "the imaginary unit 'I'",
+             sympy.zoo: "complex infinity 'zoo' (sympy's value of a division by zero)"}
+
+
 def _validate_expressions(spec: Spec):
-    """Every expression must be built from known symbols and differentiable functions, and must
-    not use the state index where a scalar is required."""
+    """Every expression must be built from known symbols, real constants (nan and +-inf
+    included) and differentiable functions, and must not use the state index where a scalar is
+    required."""
     known = set(spec.symbols.values())
     exprs = [(f"state '{s.label(spec.states[s.tensor].components)}'", e, spec.states[s.tensor])
              for s, e in spec.state_updates.items()]
@@ -465,6 +470,10 @@ def _validate_expressions(spec: Spec):
                 raise SpecError(spec.name, f"{what} uses the unknown symbol '{node}'")
             if isinstance(node, StateIndex):
                 raise SpecError(spec.name, f"{what} uses the index '{node}' as a value")
+            if node.is_Atom and node.is_number and node.is_extended_real is False:
+                raise SpecError(spec.name, f"{what} = {expr} uses {_NOT_REAL.get(node, node)}, "
+                                           "which is not a real number (only real constants, "
+                                           "nan and +-inf, are allowed)")
             if isinstance(node, sympy.Function) and not _allowed_function(node):
                 raise SpecError(spec.name, f"{what} uses '{node.func.__name__}', which is not a "
                                            "differentiable op of the spec language")

@@ -1,6 +1,7 @@
 """Non-finite constants in a spec (``float("inf")``, ``float("-inf")``, ``float("nan")``): printed
 for every target and run on ``mlx`` and ``metal-sim``, values and gradients against hand-written
-MLX loops."""
+MLX loops. Constants that are not real (``sympy.I``, ``x / 0``) are refused when the spec is
+defined."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import mlx.core as mx
 import numpy as np
 import pytest
+import sympy
 
 import mlx_recgen as rg
 from conftest import rel_err
@@ -164,3 +166,34 @@ def test_cuda_text_with_constants_compiles(tmp_path, kernel):
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Constants that are not real numbers: refused when the spec is defined
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, what", [
+    (lambda h, x: {"y": h + sympy.I * x}, r"'I'"),
+    (lambda h, x: {"y": h + x / 0}, r"zoo"),
+    (lambda h, x: {"y": h + sympy.zoo}, r"zoo"),
+])
+def test_complex_constants_are_refused_at_definition(body, what):
+    def spec(h, x):
+        h = 0.5 * h + x
+        return body(h, x)
+
+    with pytest.raises(rg.SpecError, match=r"spec 'nonreal': output 'y' .*" + what
+                       + r".*not a real number"):
+        rg.recurrence(lane="D", state={"h": "B D"}, inputs={"x": "B L D"},
+                      outputs={"y": "B L D"}, name="nonreal")(spec)
+
+
+def test_complex_constant_in_state_update_is_refused():
+    def spec(h, x):
+        h = h * sympy.exp(sympy.I * x)
+        return {"y": h}
+
+    with pytest.raises(rg.SpecError, match=r"spec 'rot': state 'h' .*not a real number"):
+        rg.recurrence(lane="D", state={"h": "B D"}, inputs={"x": "B L D"},
+                      outputs={"y": "B L D"}, name="rot")(spec)
