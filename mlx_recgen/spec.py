@@ -215,21 +215,81 @@ class Tracer:
 
 
 def _run_capturing_locals(fn, kwargs):
-    """Call ``fn(**kwargs)`` and return (result, its locals at return)."""
+    """Call ``fn(**kwargs)`` and return (result, its locals at return).
+
+    The locals are read from ``fn``'s frame when it returns, without disturbing a profiler,
+    tracer or debugger the caller has running: on Python 3.12+ through a ``sys.monitoring``
+    return event local to ``fn``'s code; before 3.12 through a profile hook on this thread, after
+    which the caller's hook is reinstated (a Python hook with ``sys.setprofile``, cProfile's by
+    re-enabling it, which keeps its settings). Another C-level hook, which cannot be reinstated,
+    is left untouched by running ``fn`` on a helper thread."""
     captured = {}
     code = fn.__code__
 
-    def profiler(frame, event, arg):
-        if event == "return" and frame.f_code is code:
+    def keep(frame):
+        if frame.f_code is code:  # the last return is the outermost call's
+            captured.clear()
             captured.update(frame.f_locals)
 
+    monitoring = getattr(sys, "monitoring", None)
+    tool = None
+    if monitoring is not None:
+        tool = next((i for i in (5, 4, 3) if monitoring.get_tool(i) is None), None)
+    if tool is not None:
+        events = monitoring.events
+        monitoring.use_tool_id(tool, "mlx-recgen spec tracing")
+        try:
+            monitoring.register_callback(
+                tool, events.PY_RETURN, lambda c, offset, value: keep(sys._getframe(1)))
+            monitoring.set_local_events(tool, code, events.PY_RETURN)
+            result = fn(**kwargs)
+        finally:
+            monitoring.set_local_events(tool, code, 0)
+            monitoring.register_callback(tool, events.PY_RETURN, None)
+            monitoring.free_tool_id(tool)
+        return result, captured
+
+    def profiler(frame, event, arg):
+        if event == "return":
+            keep(frame)
+
+    def run():
+        sys.setprofile(profiler)
+        try:
+            return fn(**kwargs)
+        finally:
+            sys.setprofile(None)
+
     old = sys.getprofile()
-    sys.setprofile(profiler)
-    try:
-        result = fn(**kwargs)
-    finally:
-        sys.setprofile(old)
-    return result, captured
+    if old is None or callable(old):
+        try:
+            return run(), captured
+        finally:
+            sys.setprofile(old)
+    import _lsprof
+
+    if isinstance(old, _lsprof.Profiler):
+        try:
+            return run(), captured
+        finally:
+            old.enable()  # no arguments: its subcalls/builtins settings are kept
+    import threading
+
+    outcome = []
+
+    def on_thread():
+        try:
+            outcome.append((True, run()))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+
+    helper = threading.Thread(target=on_thread, name="mlx-recgen spec tracing")
+    helper.start()
+    helper.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value, captured
 
 
 # ---------------------------------------------------------------------------------------------
