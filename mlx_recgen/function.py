@@ -7,6 +7,8 @@ checkpoints), and this module wraps the pair into a custom function with a custo
 
 from __future__ import annotations
 
+import operator
+
 import mlx.core as mx
 
 from .adjoint import derive
@@ -24,6 +26,21 @@ def _axes_text(t) -> str:
 
 def _dtype_name(d) -> str:
     return str(d).replace("mlx.core.", "")
+
+
+def positive_int(owner: str, name: str, value) -> int:
+    """``value`` as a Python int if it is integer-like (``operator.index``: ``int``, NumPy and
+    0-d MLX integers) and at least 1; bools, floats and anything else raise ``ValueError``
+    naming ``owner`` and the argument."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+    return number
 
 
 class Recurrence:
@@ -98,6 +115,8 @@ class Recurrence:
         ``"mlx"`` (the rendered Python step function)."""
         if kernel not in ("forward", "backward"):
             raise ValueError(f"kernel must be 'forward' or 'backward', got {kernel!r}")
+        if "seg" in schedule:
+            schedule["seg"] = positive_int(f"{self.name}.source()", "seg", schedule["seg"])
         if backend == "mlx":
             b = self._backend("mlx")
             return (b.forward_step if kernel == "forward" else b.backward_step).source
@@ -221,9 +240,7 @@ class Recurrence:
                  **kwargs):
         schedule = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
-        if not isinstance(seg, int) or isinstance(seg, bool) or seg < 1:
-            raise ValueError(f"{self.name}(): seg must be a positive integer, got {seg!r}")
-        seg = min(seg, sizes[self.spec.time])
+        seg = min(positive_int(f"{self.name}()", "seg", seg), sizes[self.spec.time])
         impl = self._backend(backend)
         if schedule and impl.name == "mlx":
             raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
