@@ -119,18 +119,22 @@ def test_scan_gradients(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_extras_are_keyword_only(name):
+    """``initial_state`` and ``backend`` are keyword-only; ``seg`` is positional-or-keyword (as
+    in mlx-recurrence); the references take neither ``seg`` nor a positional state."""
     scan, with_state, reference, hand, make, state_shape = SCANS[name]
     inputs, h0 = make()
     n = len(inputs)
     for fn in (scan, with_state):
         params = inspect.signature(fn).parameters
-        for extra in ("initial_state", "seg", "backend"):
+        for extra in ("initial_state", "backend"):
             assert params[extra].kind is inspect.Parameter.KEYWORD_ONLY, (fn.__name__, extra)
+        assert params["seg"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert list(params).index("seg") == n and params["seg"].default == 32
         assert [p for p in params][:n] == [p for p in inspect.signature(reference).parameters][:n]
         with pytest.raises(TypeError):
-            fn(*inputs, None, 8)  # initial_state, seg positionally
-        with pytest.raises(TypeError):
-            fn(*inputs, h0)
+            fn(*inputs, 8, h0)  # seg, then initial_state positionally
+        with pytest.raises(ValueError, match=r"seg must be a positive integer"):
+            fn(*inputs, h0)  # a state where seg goes
     with pytest.raises(TypeError):
         reference(*inputs, h0)
     with pytest.raises(TypeError):
@@ -140,14 +144,55 @@ def test_extras_are_keyword_only(name):
 
 
 def test_scans_positional_api_names():
-    """Same positional argument names as mlx-recurrence."""
+    """The positional parameters of mlx-recurrence, in its order, seg last."""
     def names(fn):
         return [p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    assert names(scans.ssd_scan) == ["u", "delta", "B", "C", "A_neg"]
-    assert names(scans.gla_scan) == ["q", "k", "v", "gates"]
-    assert names(scans.rglru_scan) == ["a", "x"]
-    assert names(scans.rotlru_scan) == ["a", "cos", "sin", "x"]
+    for suffix, seg in (("", ["seg"]), ("_with_state", ["seg"]), ("_reference", [])):
+        assert names(getattr(scans, "ssd_scan" + suffix)) == ["u", "delta", "B", "C", "A_neg"] + seg
+        assert names(getattr(scans, "gla_scan" + suffix)) == ["q", "k", "v", "gates"] + seg
+        assert names(getattr(scans, "rglru_scan" + suffix)) == ["a", "x"] + seg
+        assert names(getattr(scans, "rotlru_scan" + suffix)) == ["a", "cs", "sn", "x"] + seg
+
+
+# The keyword names of mlx-recurrence for each scan's inputs.
+PEER_NAMES = {"ssd": ["u", "delta", "B", "C", "A_neg"], "gla": ["q", "k", "v", "gates"],
+              "rglru": ["a", "x"], "rotlru": ["a", "cs", "sn", "x"]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_peer_call_forms(name):
+    """The call forms mlx-recurrence accepts: seg by position or keyword, inputs by keyword."""
+    scan, with_state, reference, hand, make, state_shape = SCANS[name]
+    inputs, _ = make()
+    y_hand, h_hand = hand(*inputs)
+    kw = dict(zip(PEER_NAMES[name], inputs))
+    outputs = [scan(*inputs, 4), scan(*inputs, seg=4), scan(**kw, seg=4), scan(**kw),
+               scan(*inputs[:1], **dict(list(kw.items())[1:]), seg=4),
+               reference(*inputs), reference(**kw)]
+    for i, y in enumerate(outputs):
+        assert rel_err(y, y_hand) < TOL, f"{name}: call form {i}"
+    for y, h in (with_state(*inputs, 4), with_state(**kw, seg=4), with_state(*inputs)):
+        assert tuple(h.shape) == state_shape
+        assert rel_err(y, y_hand) < TOL and rel_err(h, h_hand) < TOL
+
+
+def test_rotlru_rotation_aliases():
+    """rotlru's ``cs``/``sn`` (mlx-recurrence) and ``cos``/``sin`` name the same arguments."""
+    (a, c, s, x), h0 = _rotlru_inputs(b=2, L=9, P=4)
+    y_hand, h_hand = rotlru_interleaved_ref(a, c, s, x, h0)
+    for fn in (scans.rotlru_scan, scans.rotlru_scan_with_state, scans.rotlru_scan_reference):
+        for kw in (dict(cs=c, sn=s), dict(cos=c, sin=s), dict(cs=c, sin=s)):
+            out = fn(a, x=x, initial_state=h0, **kw)
+            y = out[0] if isinstance(out, tuple) else out
+            assert rel_err(y, y_hand) < TOL, (fn.__name__, sorted(kw))
+        with pytest.raises(TypeError, match=fn.__name__ + r"\(\) got both 'cs' and its alias 'cos'"):
+            fn(a, c, s, x, cos=c)
+        with pytest.raises(TypeError, match=fn.__name__ + r"\(\) missing required argument "
+                                                          r"'sn' \(or 'sin'\)"):
+            fn(a, cs=c, x=x)
+        with pytest.raises(TypeError, match=fn.__name__ + r"\(\) missing required argument 'x'"):
+            fn(a, c, s)
 
 
 def test_rotlru_scan_errors():
