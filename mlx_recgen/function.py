@@ -256,8 +256,10 @@ class Recurrence:
         return out, final
 
     def reference(self, *args, initial_state=None, return_state=False, **kwargs):
-        """The plain per-step MLX loop (no custom VJP: MLX autodiff differentiates it and stores
-        every state). Same arguments and results as calling the recurrence."""
+        """The spec's traced expressions evaluated step by step on MLX arrays, independent of
+        the compiler's lowering, adjoint and renderers (no custom VJP: MLX autodiff
+        differentiates it and stores every state). Same arguments and results as calling the
+        recurrence."""
         from .backends.reference import run_reference
 
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
