@@ -113,7 +113,9 @@ def check(rec, backend, seg=4, sizes=None, case=None, seed=0):
     the gradient of a random weighting of them with respect to every input and initial state.
 
     ``case`` is ``(inputs, initial states, description)``; by default random inputs are drawn
-    from ``DISTRIBUTIONS`` in turn until the reference stays finite and bounded. Returns
+    from ``DISTRIBUTIONS`` in turn until the reference's values stay finite and bounded and its
+    gradients finite (autodiff through ``where`` of an expression undefined on the branch not
+    taken, e.g. ``sqrt`` of a negative input, gives NaN gradients). Returns
     ``(rows, description)`` with rows of ``(quantity, relative error)``."""
     spec = rec.spec
     sizes = sizes or _sizes(rec)
@@ -134,26 +136,33 @@ def check(rec, backend, seg=4, sizes=None, case=None, seed=0):
         fins = [fins[k] for k in states] if isinstance(fins, dict) else [fins]
         return outs, fins
 
-    key = mx.random.key(seed)
+    argnums = tuple(range(n_in + len(states)))
+    key, weight_key = mx.random.split(mx.random.key(seed))
+
+    def reference(args, init):
+        """The reference's outputs, final states, loss weights and gradients."""
+        outs, fins = run_reference(args, init)
+        keys = mx.random.split(weight_key, len(outs + fins))
+        weights = [mx.random.normal(x.shape, key=k) for x, k in zip(outs + fins, keys)]
+        grads = mx.grad(as_loss(rec.reference, weights), argnums=argnums)(*args, *init)
+        return outs, fins, weights, list(grads)
+
     if case is None:
         for distribution in DISTRIBUTIONS:
             key, sub = mx.random.split(key)
             args, init = draw_case(rec, sizes, distribution, sub)
-            ref_outs, ref_fins = run_reference(args, init)
-            if _finite_and_bounded(ref_outs + ref_fins):
+            ref_outs, ref_fins, weights, g_ref = reference(args, init)
+            if _finite_and_bounded(ref_outs + ref_fins) and \
+                    all(mx.all(mx.isfinite(g)).item() for g in g_ref):
                 description = describe(distribution)
                 break
         else:
-            raise RuntimeError(f"{rec.name}: the reference is not finite (or exceeds "
-                               f"{MAX_MAGNITUDE:g}) on any random inputs tried: "
-                               + "; ".join(describe(d) for d in DISTRIBUTIONS))
+            raise RuntimeError(f"{rec.name}: the reference or its gradients are not finite (or "
+                               f"its values exceed {MAX_MAGNITUDE:g}) on any random inputs "
+                               "tried: " + "; ".join(describe(d) for d in DISTRIBUTIONS))
     else:
         args, init, description = case
-        ref_outs, ref_fins = run_reference(args, init)
-
-    key, sub = mx.random.split(key)
-    weights = [mx.random.normal(x.shape, key=k)
-               for x, k in zip(ref_outs + ref_fins, mx.random.split(sub, len(ref_outs + ref_fins)))]
+        ref_outs, ref_fins, weights, g_ref = reference(args, init)
 
     def ours(*a, **kw):
         return rec(*a, backend=backend, seg=seg, **kw)
@@ -161,9 +170,7 @@ def check(rec, backend, seg=4, sizes=None, case=None, seed=0):
     got_outs, got_fins = ours(*args, initial_state=dict(zip(states, init)), return_state=True)
     got_outs = list(got_outs) if isinstance(got_outs, tuple) else [got_outs]
     got_fins = [got_fins[k] for k in states] if isinstance(got_fins, dict) else [got_fins]
-    argnums = tuple(range(n_in + len(states)))
     g_ours = mx.grad(as_loss(ours, weights), argnums=argnums)(*args, *init)
-    g_ref = mx.grad(as_loss(rec.reference, weights), argnums=argnums)(*args, *init)
 
     rows = [(f"output {name}", _rel(a, b)) for name, a, b in zip(spec.outputs, got_outs, ref_outs)]
     rows += [(f"final state {name}", _rel(a, b)) for name, a, b in zip(states, got_fins, ref_fins)]
