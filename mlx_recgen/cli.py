@@ -13,6 +13,7 @@ Python traceback instead).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -336,6 +337,9 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     try:
         return _run(args)
+    except BrokenPipeError:  # the reader went away (`mlx-recgen show ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:
         if args.traceback:
             raise
