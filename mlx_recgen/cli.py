@@ -122,27 +122,27 @@ def check(rec, backend, seg=4, sizes=None, case=None, seed=0):
     sizes = sizes or _sizes(rec)
     n_in, states = len(spec.inputs), list(spec.states)
 
-    def as_loss(run, weights):
-        def loss(*a):
-            outs, fins = run(*a[:n_in], initial_state=dict(zip(states, a[n_in:])),
-                             return_state=True)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            fins = [fins[k] for k in states] if isinstance(fins, dict) else [fins]
-            return sum(mx.sum(x.astype(mx.float32) * w) for x, w in zip([*outs, *fins], weights))
-        return loss
-
-    def run_reference(args, init):
-        outs, fins = rec.reference(*args, initial_state=dict(zip(states, init)), return_state=True)
+    def lists(outs, fins):
+        """A recurrence's results as (outputs, final states), lists in declaration order."""
         outs = list(outs) if isinstance(outs, tuple) else [outs]
-        fins = [fins[k] for k in states] if isinstance(fins, dict) else [fins]
-        return outs, fins
+        return outs, [fins[k] for k in states] if isinstance(fins, dict) else [fins]
+
+    def run(fn, args):
+        return lists(*fn(*args[:n_in], initial_state=dict(zip(states, args[n_in:])),
+                         return_state=True))
+
+    def as_loss(fn, weights):
+        def loss(*args):
+            outs, fins = run(fn, args)
+            return sum(mx.sum(x.astype(mx.float32) * w) for x, w in zip(outs + fins, weights))
+        return loss
 
     argnums = tuple(range(n_in + len(states)))
     key, weight_key = mx.random.split(mx.random.key(seed))
 
     def reference(args, init):
         """The reference's outputs, final states, loss weights and gradients."""
-        outs, fins = run_reference(args, init)
+        outs, fins = run(rec.reference, [*args, *init])
         keys = mx.random.split(weight_key, len(outs + fins))
         weights = [mx.random.normal(x.shape, key=k) for x, k in zip(outs + fins, keys)]
         grads = mx.grad(as_loss(rec.reference, weights), argnums=argnums)(*args, *init)
@@ -168,9 +168,7 @@ def check(rec, backend, seg=4, sizes=None, case=None, seed=0):
     def ours(*a, **kw):
         return rec(*a, backend=backend, seg=seg, **kw)
 
-    got_outs, got_fins = ours(*args, initial_state=dict(zip(states, init)), return_state=True)
-    got_outs = list(got_outs) if isinstance(got_outs, tuple) else [got_outs]
-    got_fins = [got_fins[k] for k in states] if isinstance(got_fins, dict) else [got_fins]
+    got_outs, got_fins = run(ours, [*args, *init])
     g_ours = mx.grad(as_loss(ours, weights), argnums=argnums)(*args, *init)
 
     rows = [(f"output {name}", _rel(a, b)) for name, a, b in zip(spec.outputs, got_outs, ref_outs)]
