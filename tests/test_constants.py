@@ -100,6 +100,9 @@ def _grads(fn, inputs, h0, Wy, Wh):
 def _check(rec, ref, backend, inputs, h0):
     y, h = _run(rec, backend, inputs, h0)
     y_ref, h_ref = ref(*inputs, h0)
+    y_rec, h_rec = rec.reference(*inputs, initial_state=h0, return_state=True)
+    np.testing.assert_allclose(np.array(y_rec), np.array(y_ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(h_rec), np.array(h_ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.array(y), np.array(y_ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.array(h), np.array(h_ref), rtol=1e-5, atol=1e-6)
     Wy, Wh = mx.random.normal(y_ref.shape), mx.random.normal(h_ref.shape)
