@@ -1,7 +1,13 @@
 """A delta-rule recurrence from a spec: forward, state, gradients, and the generated Metal.
 
-    python examples/delta_rule.py
+    python examples/delta_rule.py [OUTPUT_DIR]
+
+writes the forward and backward Metal kernels, whole, to ``OUTPUT_DIR`` (default: the current
+directory) as ``delta_rule_forward.metal`` and ``delta_rule_backward.metal``.
 """
+
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -25,4 +31,10 @@ if __name__ == "__main__":
     grads = mx.grad(lambda *a: delta_rule(*a).sum(), argnums=(0, 1, 2, 3))(q, k, v, beta)
     print("y", y.shape, "state", h.shape, "grads", [g.shape for g in grads])
     print(delta_rule.adjoint_ir())
-    print(delta_rule.source("backward", backend="metal")[:2000])
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for kernel in ("forward", "backward"):
+        path = out_dir / f"delta_rule_{kernel}.metal"
+        text = delta_rule.source(kernel, backend="metal")
+        path.write_text(text)
+        print(f"{kernel} kernel: {path} ({len(text.splitlines())} lines of Metal)")

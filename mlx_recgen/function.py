@@ -9,6 +9,7 @@ runs the tangent recurrence (``mlx_recgen.tangent``) on the same backend.
 from __future__ import annotations
 
 import functools
+import operator
 
 import mlx.core as mx
 
@@ -29,6 +30,21 @@ def _axes_text(t) -> str:
 
 def _dtype_name(d) -> str:
     return str(d).replace("mlx.core.", "")
+
+
+def positive_int(owner: str, name: str, value) -> int:
+    """``value`` as a Python int if it is integer-like (``operator.index``: ``int``, NumPy and
+    0-d MLX integers) and at least 1; bools, floats and anything else raise ``ValueError``
+    naming ``owner`` and the argument."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+    return number
 
 
 class Recurrence:
@@ -123,6 +139,8 @@ class Recurrence:
         ``schedule="chunked"`` one of ``"summary"``, ``"carry"``, ``"outputs"``,
         ``"local_adjoint"``, ``"adjoint_carry"``, ``"gradients"``; ``backend`` is ``"metal"``,
         ``"cuda"`` or ``"mlx"`` (the rendered Python step function)."""
+        if "seg" in schedule:
+            schedule["seg"] = positive_int(f"{self.name}.source()", "seg", schedule["seg"])
         if backend == "mlx":
             if kernel not in ("forward", "backward"):
                 raise ValueError(f"kernel must be 'forward' or 'backward', got {kernel!r}")
@@ -296,8 +314,8 @@ class Recurrence:
                  schedule="auto", **kwargs):
         options = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
-        if seg is not None and (not isinstance(seg, int) or isinstance(seg, bool) or seg < 1):
-            raise ValueError(f"{self.name}(): seg must be a positive integer, got {seg!r}")
+        if seg is not None:
+            seg = positive_int(f"{self.name}()", "seg", seg)
         impl = self._backend(backend)
         if options and impl.name == "mlx":
             raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
@@ -316,8 +334,10 @@ class Recurrence:
         return out, final
 
     def reference(self, *args, initial_state=None, return_state=False, **kwargs):
-        """The plain per-step MLX loop (no custom VJP: MLX autodiff differentiates it and stores
-        every state). Same arguments and results as calling the recurrence."""
+        """The spec's traced expressions evaluated step by step on MLX arrays, independent of
+        the compiler's lowering, adjoint and renderers (no custom VJP: MLX autodiff
+        differentiates it and stores every state). Same arguments and results as calling the
+        recurrence."""
         from .backends.reference import run_reference
 
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)

@@ -215,21 +215,81 @@ class Tracer:
 
 
 def _run_capturing_locals(fn, kwargs):
-    """Call ``fn(**kwargs)`` and return (result, its locals at return)."""
+    """Call ``fn(**kwargs)`` and return (result, its locals at return).
+
+    The locals are read from ``fn``'s frame when it returns, without disturbing a profiler,
+    tracer or debugger the caller has running: on Python 3.12+ through a ``sys.monitoring``
+    return event local to ``fn``'s code; before 3.12 through a profile hook on this thread, after
+    which the caller's hook is reinstated (a Python hook with ``sys.setprofile``, cProfile's by
+    re-enabling it, which keeps its settings). Another C-level hook, which cannot be reinstated,
+    is left untouched by running ``fn`` on a helper thread."""
     captured = {}
     code = fn.__code__
 
-    def profiler(frame, event, arg):
-        if event == "return" and frame.f_code is code:
+    def keep(frame):
+        if frame.f_code is code:  # the last return is the outermost call's
+            captured.clear()
             captured.update(frame.f_locals)
 
+    monitoring = getattr(sys, "monitoring", None)
+    tool = None
+    if monitoring is not None:
+        tool = next((i for i in (5, 4, 3) if monitoring.get_tool(i) is None), None)
+    if tool is not None:
+        events = monitoring.events
+        monitoring.use_tool_id(tool, "mlx-recgen spec tracing")
+        try:
+            monitoring.register_callback(
+                tool, events.PY_RETURN, lambda c, offset, value: keep(sys._getframe(1)))
+            monitoring.set_local_events(tool, code, events.PY_RETURN)
+            result = fn(**kwargs)
+        finally:
+            monitoring.set_local_events(tool, code, 0)
+            monitoring.register_callback(tool, events.PY_RETURN, None)
+            monitoring.free_tool_id(tool)
+        return result, captured
+
+    def profiler(frame, event, arg):
+        if event == "return":
+            keep(frame)
+
+    def run():
+        sys.setprofile(profiler)
+        try:
+            return fn(**kwargs)
+        finally:
+            sys.setprofile(None)
+
     old = sys.getprofile()
-    sys.setprofile(profiler)
-    try:
-        result = fn(**kwargs)
-    finally:
-        sys.setprofile(old)
-    return result, captured
+    if old is None or callable(old):
+        try:
+            return run(), captured
+        finally:
+            sys.setprofile(old)
+    import _lsprof
+
+    if isinstance(old, _lsprof.Profiler):
+        try:
+            return run(), captured
+        finally:
+            old.enable()  # no arguments: its subcalls/builtins settings are kept
+    import threading
+
+    outcome = []
+
+    def on_thread():
+        try:
+            outcome.append((True, run()))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+
+    helper = threading.Thread(target=on_thread, name="mlx-recgen spec tracing")
+    helper.start()
+    helper.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value, captured
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,9 +511,14 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
     return spec
 
 
+_NOT_REAL = {sympy.I: "the imaginary unit 'I'",
+             sympy.zoo: "complex infinity 'zoo' (sympy's value of a division by zero)"}
+
+
 def _validate_expressions(spec: Spec):
-    """Every expression must be built from known symbols and differentiable functions, and must
-    not use the state index where a scalar is required."""
+    """Every expression must be built from known symbols, real constants (nan and +-inf
+    included) and differentiable functions, and must not use the state index where a scalar is
+    required."""
     known = set(spec.symbols.values())
     exprs = [(f"state '{s.label(spec.states[s.tensor].components)}'", e, spec.states[s.tensor])
              for s, e in spec.state_updates.items()]
@@ -465,6 +530,10 @@ def _validate_expressions(spec: Spec):
                 raise SpecError(spec.name, f"{what} uses the unknown symbol '{node}'")
             if isinstance(node, StateIndex):
                 raise SpecError(spec.name, f"{what} uses the index '{node}' as a value")
+            if node.is_Atom and node.is_number and node.is_extended_real is False:
+                raise SpecError(spec.name, f"{what} = {expr} uses {_NOT_REAL.get(node, node)}, "
+                                           "which is not a real number (only real constants, "
+                                           "nan and +-inf, are allowed)")
             if isinstance(node, sympy.Function) and not _allowed_function(node):
                 raise SpecError(spec.name, f"{what} uses '{node.func.__name__}', which is not a "
                                            "differentiable op of the spec language")

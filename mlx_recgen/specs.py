@@ -49,6 +49,9 @@ def load_spec(name_or_path):
         if attr not in found:
             raise SpecError(attr, f"{path} defines no recurrence named '{attr}' (found {list(found)})")
         rec = found[attr]
+    elif not found:
+        raise SpecError(path.stem, f"{path} defines no recurrence (no module-level object made "
+                                   "by @rg.recurrence)")
     elif len(found) == 1:
         rec = next(iter(found.values()))
     elif path.stem in found:

@@ -97,12 +97,29 @@ def test_bad_initial_state(ssd):
         call(rec, args, initial_state=[h0])
 
 
-@pytest.mark.parametrize("seg", [0, -3, 2.0, True, "8"])
+@pytest.mark.parametrize("seg", [0, -3, 2.0, True, "8", np.float64(4.0), np.True_,
+                                 np.int64(0), mx.array(True), mx.array([4])])
 def test_bad_seg(ssd, seg):
     rec, args, _ = ssd
     with pytest.raises(ValueError, match=r"ssd\(\): seg must be a positive integer, got "
                                          + re.escape(repr(seg))):
         call(rec, args, seg=seg)
+
+
+@pytest.mark.parametrize("seg", [np.int64(2), np.int32(2), np.uint8(2), mx.array(2)])
+def test_integer_like_seg(ssd, seg):
+    """Integer-like values (``operator.index``) are accepted and used as the int they stand for."""
+    rec, args, h0 = ssd
+    rec._functions.clear()
+    y = call(rec, args, initial_state=h0, seg=seg)
+    assert [type(k[1]) for k in rec._functions] == [int] and [k[1] for k in rec._functions] == [2]
+    assert mx.array_equal(y, call(rec, args, initial_state=h0, seg=2)).item()
+    from mlx_recgen import scans
+    assert mx.array_equal(scans.ssd_scan(*args, seg=seg, backend="mlx"),
+                          scans.ssd_scan(*args, seg=2, backend="mlx")).item()
+    assert "SEG" in rec.source("forward", backend="metal", seg=seg)
+    with pytest.raises(ValueError, match=r"ssd.source\(\): seg must be a positive integer"):
+        rec.source("forward", backend="metal", seg=0)
 
 
 def test_bad_backend_and_empty(ssd):

@@ -119,18 +119,22 @@ def test_scan_gradients(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_extras_are_keyword_only(name):
+    """``initial_state`` and ``backend`` are keyword-only; ``seg`` is positional-or-keyword (as
+    in mlx-recurrence); the references take neither ``seg`` nor a positional state."""
     scan, with_state, reference, hand, make, state_shape = SCANS[name]
     inputs, h0 = make()
     n = len(inputs)
     for fn in (scan, with_state):
         params = inspect.signature(fn).parameters
-        for extra in ("initial_state", "seg", "backend"):
+        for extra in ("initial_state", "backend"):
             assert params[extra].kind is inspect.Parameter.KEYWORD_ONLY, (fn.__name__, extra)
+        assert params["seg"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert list(params).index("seg") == n and params["seg"].default == 32
         assert [p for p in params][:n] == [p for p in inspect.signature(reference).parameters][:n]
         with pytest.raises(TypeError):
-            fn(*inputs, None, 8)  # initial_state, seg positionally
-        with pytest.raises(TypeError):
-            fn(*inputs, h0)
+            fn(*inputs, 8, h0)  # seg, then initial_state positionally
+        with pytest.raises(ValueError, match=r"seg must be a positive integer"):
+            fn(*inputs, h0)  # a state where seg goes
     with pytest.raises(TypeError):
         reference(*inputs, h0)
     with pytest.raises(TypeError):
@@ -140,33 +144,130 @@ def test_extras_are_keyword_only(name):
 
 
 def test_scans_positional_api_names():
-    """Same positional argument names as mlx-recurrence."""
+    """The positional parameters of mlx-recurrence, in its order, seg last."""
     def names(fn):
         return [p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    assert names(scans.ssd_scan) == ["u", "delta", "B", "C", "A_neg"]
-    assert names(scans.gla_scan) == ["q", "k", "v", "gates"]
-    assert names(scans.rglru_scan) == ["a", "x"]
-    assert names(scans.rotlru_scan) == ["a", "cos", "sin", "x"]
+    for suffix, seg in (("", ["seg"]), ("_with_state", ["seg"]), ("_reference", [])):
+        assert names(getattr(scans, "ssd_scan" + suffix)) == ["u", "delta", "B", "C", "A_neg"] + seg
+        assert names(getattr(scans, "gla_scan" + suffix)) == ["q", "k", "v", "gates"] + seg
+        assert names(getattr(scans, "rglru_scan" + suffix)) == ["a", "x"] + seg
+        assert names(getattr(scans, "rotlru_scan" + suffix)) == ["a", "cs", "sn", "x"] + seg
 
 
-def test_rotlru_scan_errors():
-    (a, cos, sin, x), h0 = _rotlru_inputs(b=2, L=4, P=3)
-    with pytest.raises(ValueError, match=r"rotlru_scan: x's last axis .* must be even"):
-        scans.rotlru_scan(a, cos, sin, x[..., :5], backend="mlx")
-    with pytest.raises(ValueError, match=r"rotlru_scan: x must have shape \[B, L, D\]"):
-        scans.rotlru_scan(a, cos, sin, x[0], backend="mlx")
-    with pytest.raises(ValueError, match=r"rotlru_scan: initial_state must have shape \(2, 6\)"):
-        scans.rotlru_scan(a, cos, sin, x, initial_state=h0.reshape(2, 3, 2), backend="mlx")
-    with pytest.raises(ValueError, match=r"axis P has size"):
-        scans.rotlru_scan(a[..., :2], cos, sin, x, backend="mlx")
+# The keyword names of mlx-recurrence for each scan's inputs.
+PEER_NAMES = {"ssd": ["u", "delta", "B", "C", "A_neg"], "gla": ["q", "k", "v", "gates"],
+              "rglru": ["a", "x"], "rotlru": ["a", "cs", "sn", "x"]}
 
 
-def test_scan_argument_errors_name_the_argument():
-    (u, delta, B, C, A), h0 = ssd_inputs(b=2, L=5, H=3, P=4, N=6)
-    with pytest.raises(ValueError, match=r"argument 'delta' has shape"):
-        scans.ssd_scan(u, delta[..., None], B, C, A, backend="mlx")
-    with pytest.raises(ValueError, match=r"'initial_state'"):
-        scans.ssd_scan(u, delta, B, C, A, initial_state=h0[:, :, :, :2], backend="mlx")
-    with pytest.raises(ValueError, match=r"seg must be a positive integer"):
-        scans.ssd_scan(u, delta, B, C, A, seg=0, backend="mlx")
+@pytest.mark.parametrize("name", NAMES)
+def test_peer_call_forms(name):
+    """The call forms mlx-recurrence accepts: seg by position or keyword, inputs by keyword."""
+    scan, with_state, reference, hand, make, state_shape = SCANS[name]
+    inputs, _ = make()
+    y_hand, h_hand = hand(*inputs)
+    kw = dict(zip(PEER_NAMES[name], inputs))
+    outputs = [scan(*inputs, 4), scan(*inputs, seg=4), scan(**kw, seg=4), scan(**kw),
+               scan(*inputs[:1], **dict(list(kw.items())[1:]), seg=4),
+               reference(*inputs), reference(**kw)]
+    for i, y in enumerate(outputs):
+        assert rel_err(y, y_hand) < TOL, f"{name}: call form {i}"
+    for y, h in (with_state(*inputs, 4), with_state(**kw, seg=4), with_state(*inputs)):
+        assert tuple(h.shape) == state_shape
+        assert rel_err(y, y_hand) < TOL and rel_err(h, h_hand) < TOL
+
+
+def test_rotlru_rotation_aliases():
+    """rotlru's ``cs``/``sn`` (mlx-recurrence) and ``cos``/``sin`` name the same arguments."""
+    (a, c, s, x), h0 = _rotlru_inputs(b=2, L=9, P=4)
+    y_hand, h_hand = rotlru_interleaved_ref(a, c, s, x, h0)
+    for fn in (scans.rotlru_scan, scans.rotlru_scan_with_state, scans.rotlru_scan_reference):
+        for kw in (dict(cs=c, sn=s), dict(cos=c, sin=s), dict(cs=c, sin=s)):
+            out = fn(a, x=x, initial_state=h0, **kw)
+            y = out[0] if isinstance(out, tuple) else out
+            assert rel_err(y, y_hand) < TOL, (fn.__name__, sorted(kw))
+        with pytest.raises(TypeError, match=fn.__name__ + r"\(\) got both 'cs' and its alias 'cos'"):
+            fn(a, c, s, x, cos=c)
+        with pytest.raises(TypeError, match=fn.__name__ + r"\(\) missing required argument "
+                                                          r"'sn' \(or 'sin'\)"):
+            fn(a, cs=c, x=x)
+        with pytest.raises(TypeError, match=fn.__name__ + r"\(\) missing required argument 'x'"):
+            fn(a, c, s)
+
+
+def _scan_inputs(name):
+    inputs, h0 = SCANS[name][4]()
+    return list(inputs), h0
+
+
+def _shrunk(x, axis):
+    return x[(slice(None),) * axis + (slice(0, x.shape[axis] - 1),)]
+
+
+# (scan, how the call is broken, the message expected): every message names the scan, the
+# parameter and its documented axes, never the spec's own names (g, A, cos, [B, L, P, 2]).
+BAD_CALLS = [
+    ("ssd", lambda a, h: (a[:4] + [a[4][:2]], {}),
+     r"ssd_scan\(\): argument 'A_neg' \[H, N\] has shape \(2, 4\), so H = 2, but argument "
+     r"'u' \[B, L, H, Dh\] has H = 3"),
+    ("ssd", lambda a, h: (a[:4] + [a[4].astype(mx.int32)], {}),
+     r"ssd_scan\(\): argument 'A_neg' \[H, N\] has dtype int32"),
+    ("ssd", lambda a, h: (a[:4] + [a[4][None]], {}),
+     r"ssd_scan\(\): argument 'A_neg' \[H, N\] has shape \(1, 3, 4\) \(3 axes\); expected 2"),
+    ("ssd", lambda a, h: ([a[0], a[1][..., None]] + a[2:], {}),
+     r"ssd_scan\(\): argument 'delta' \[B, L, H\] has shape"),
+    ("ssd", lambda a, h: (a, {"initial_state": _shrunk(h, 2)}),
+     r"ssd_scan\(\): 'initial_state' \[B, H, Dh, N\] has shape \(2, 3, 4, 4\), so Dh = 4, "
+     r"but argument 'u' \[B, L, H, Dh\] has Dh = 5"),
+    ("ssd", lambda a, h: (a, {"seg": 0}), r"ssd_scan\(\): seg must be a positive integer, got 0"),
+    ("ssd", lambda a, h: (a, {"backend": "tpu"}), r"ssd_scan\(\): backend must be one of"),
+    ("gla", lambda a, h: (a[:3] + [a[3][:, :4]], {}),
+     r"gla_scan\(\): argument 'gates' \[B, L, H\] has shape \(2, 4, 3\), so L = 4, but "
+     r"argument 'q' \[B, L, H, Dk\] has L = 13"),
+    ("gla", lambda a, h: (a[:3] + [a[3][..., None]], {}),
+     r"gla_scan\(\): argument 'gates' \[B, L, H\] has shape \(2, 13, 3, 1\) \(4 axes\)"),
+    ("gla", lambda a, h: (a[:3] + ["g"], {}),
+     r"gla_scan\(\): argument 'gates' \[B, L, H\] must be an mx.array, got str"),
+    ("gla", lambda a, h: (a, {"initial_state": _shrunk(h, 3)}),
+     r"gla_scan\(\): 'initial_state' \[B, H, Dk, Dv\] has shape \(2, 3, 4, 5\), so Dv = 5"),
+    ("rglru", lambda a, h: ([a[0], _shrunk(a[1], 2)], {}),
+     r"rglru_scan\(\): argument 'x' \[B, L, D\] has shape \(2, 13, 6\), so D = 6, but argument "
+     r"'a' \[B, L, D\] has D = 7"),
+    ("rglru", lambda a, h: ([a[0], a[1][:, :0]], {}),
+     r"rglru_scan\(\): argument 'x' \[B, L, D\] is empty"),
+    ("rotlru", lambda a, h: (a[:3] + [a[3][..., :8]], {}),
+     r"rotlru_scan\(\): argument 'x' \[B, L, D\] has shape \(2, 13, 8\), so D = 8, but argument "
+     r"'a' \[B, L, D/2\] has D/2 = 5"),
+    ("rotlru", lambda a, h: (a[:3] + [a[3][..., :9]], {}),
+     r"rotlru_scan\(\): argument 'x' \[B, L, D\] holds \(u, w\) pairs along D, which must be "
+     r"even; got shape \(2, 13, 9\)"),
+    ("rotlru", lambda a, h: ([a[0], a[1], a[2][:1], a[3]], {}),
+     r"rotlru_scan\(\): argument 'sn' \[B, L, D/2\] has shape \(1, 13, 5\), so B = 1, but "
+     r"argument 'a' \[B, L, D/2\] has B = 2"),
+    ("rotlru", lambda a, h: (a[:3] + [a[3][0]], {}),
+     r"rotlru_scan\(\): argument 'x' \[B, L, D\] has shape \(13, 10\) \(2 axes\); expected 3"),
+    ("rotlru", lambda a, h: (a, {"initial_state": h.reshape(2, 5, 2)}),
+     r"rotlru_scan\(\): 'initial_state' \[B, D\] has shape \(2, 5, 2\) \(3 axes\); expected 2"),
+    ("rotlru", lambda a, h: (a, {"initial_state": h[:, :8]}),
+     r"rotlru_scan\(\): 'initial_state' \[B, D\] has shape \(2, 8\), so D = 8, but argument "
+     r"'a' \[B, L, D/2\] has D/2 = 5"),
+    ("rotlru", lambda a, h: (a, {"seg": 1.5}), r"rotlru_scan\(\): seg must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize("name, breaks, message", BAD_CALLS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CALLS)])
+def test_scan_errors_name_the_scans_parameters(name, breaks, message):
+    scan, with_state, reference = SCANS[name][:3]
+    inputs, h0 = _scan_inputs(name)
+    args, kwargs = breaks(inputs, h0)
+    options = {"backend": "mlx", **kwargs}
+    with pytest.raises((TypeError, ValueError), match=message):
+        scan(*args, **options)
+    with_state_message = message.replace(r"_scan\(\)", r"_scan_with_state\(\)")
+    with pytest.raises((TypeError, ValueError), match=with_state_message):
+        with_state(*args, **options)
+    if not {"seg", "backend"} & set(kwargs):
+        with pytest.raises((TypeError, ValueError),
+                           match=message.replace(r"_scan\(\)", r"_scan_reference\(\)")):
+            reference(*args, **kwargs)

@@ -1,6 +1,7 @@
 """The pure-MLX backend: the rendered step programs run with MLX ops, one call per time step.
 
-It runs on any MLX device (the Linux CPU included) and is the reference the kernels are held to.
+It runs on any MLX device (the Linux CPU included). It is not the reference: ``rec.reference``
+evaluates the traced spec directly, without the rendered programs (``backends/reference.py``).
 Forward keeps only the state at the start of every segment; backward walks segments newest to
 oldest, recomputes the segment's states from its checkpoint with the same step function (so the
 recomputed states are bit-identical), then sweeps the derived adjoint over the segment.

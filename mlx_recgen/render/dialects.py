@@ -23,6 +23,8 @@ class Dialect:
     function: str  # qualifier of helper functions
     int64: str
     uint: str
+    infinity: str  # a float constant expression for +inf (-inf prints as "-" + this)
+    nan: str  # a float constant expression for a quiet NaN
     math: dict = field(default_factory=dict)
     prelude: str = ""  # target-only helpers, placed in the header
 
@@ -46,6 +48,8 @@ METAL = Dialect(
     function="inline",
     int64="int64_t",
     uint="uint",
+    infinity="INFINITY",  # <metal_math> constants (also in MLX's utils.h)
+    nan="NAN",
     math={k: ("metal::" + v if not v.startswith("recgen_") else v) for k, v in _COMMON_MATH.items()},
     prelude="""\
 // MSL has no log1p: log(1 + x) with the rounding error of 1 + x cancelled.
@@ -68,6 +72,8 @@ CUDA = Dialect(
     function="__device__ inline",
     int64="int64_t",
     uint="unsigned int",
+    infinity="__int_as_float(0x7f800000)",  # NVRTC has no <math.h>: the bit patterns
+    nan="__int_as_float(0x7fffffff)",
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
           "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus"},

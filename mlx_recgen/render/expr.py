@@ -42,7 +42,15 @@ class ExprPrinter(abc.ABC):
     # -- spelled by subclasses ------------------------------------------------------------------
     @abc.abstractmethod
     def number(self, value: float) -> str:
-        """A non-negative float literal."""
+        """A non-negative, finite float literal."""
+
+    @abc.abstractmethod
+    def infinity(self) -> str:
+        """Positive infinity (a float); ``-oo`` prints as ``-`` followed by it."""
+
+    @abc.abstractmethod
+    def nan(self) -> str:
+        """A quiet NaN (a float)."""
 
     @abc.abstractmethod
     def call(self, name: str, args: list) -> str:
@@ -68,6 +76,12 @@ class ExprPrinter(abc.ABC):
     def _p(self, e):
         if isinstance(e, sympy.Symbol):
             return self.names.get(e, str(e)), ATOM
+        if e is sympy.nan:
+            return self.nan(), ATOM
+        if e is sympy.oo:
+            return self.infinity(), ATOM
+        if e is sympy.S.NegativeInfinity:
+            return f"-{self.infinity()}", ADD
         if e.is_Number or isinstance(e, sympy.NumberSymbol):
             v = float(e)
             text = self.number(abs(v))
@@ -183,6 +197,12 @@ class MLXPrinter(ExprPrinter):
     def number(self, value):
         return repr(float(value))
 
+    def infinity(self):
+        return "mx.inf"
+
+    def nan(self):
+        return "mx.nan"
+
     def call(self, name, args):
         if name == "softplus":
             return f"mx.logaddexp({args[0]}, 0.0)"
@@ -209,6 +229,12 @@ class CPrinter(ExprPrinter):
 
     def number(self, value):
         return float32_literal(value) + "f"
+
+    def infinity(self):
+        return self.dialect.infinity
+
+    def nan(self):
+        return self.dialect.nan
 
     def call(self, name, args):
         return f"{self.dialect.math[name]}({', '.join(args)})"

@@ -1,0 +1,179 @@
+"""The ``mlx-recgen`` command line: one-line errors, what ``demo`` reports, and ``check``
+finding planted bugs (inputs of both signs, initial-state gradients, an independent reference)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_recgen as rg
+from mlx_recgen import cli
+from mlx_recgen.backends.mlx_ops import MLXBackend
+from mlx_recgen.render.expr import MLXPrinter
+
+
+def _main(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def bad_spec_files(tmp_path):
+    files = {
+        "syntax": "import mlx_recgen as rg\ndef oops(:\n",
+        "import": "import no_such_module_here\n",
+        "spec_error": ('import mlx_recgen as rg\n'
+                       '@rg.recurrence(lane="D", state={"h": "B D"}, inputs={"x": "B L D"},\n'
+                       '               outputs={"y": "B L Q"})\n'
+                       'def bad(h, x):\n    h = h + x\n    return {"y": h}\n'),
+        "empty": "x = 1\n",
+    }
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["show", "no_such_spec"], r"unknown spec 'no_such_spec'; bundled specs are"),
+    (["show", "ssd", "--seg", "0"], r"show: --seg must be a positive integer, got 0"),
+    (["check", "ssd", "--seg", "-2", "--backend", "mlx"], r"check: --seg must be a positive"),
+    (["check", "ssd", "--backend", "tpu"], r"unknown backend 'tpu'; choose one of"),
+    (["adjoint", "{dir}/syntax.py"], r"cannot load spec file '.*syntax.py': SyntaxError: "),
+    (["adjoint", "{dir}/import.py"], r"cannot load spec file '.*import.py': ModuleNotFoundError"),
+    (["adjoint", "{dir}/spec_error.py"], r"spec 'bad': output 'y' lacks the lane axis 'D'"),
+    (["adjoint", "{dir}/empty.py"], r"spec 'empty': .*empty.py defines no recurrence"),
+    (["show", "{dir}/missing.py"], r"spec file not found: .*missing.py"),
+])
+def test_errors_are_one_line_on_stderr(capsys, bad_spec_files, argv, message):
+    import re
+
+    argv = [a.format(dir=bad_spec_files) for a in argv]
+    rc, out, err = _main(capsys, *argv)
+    assert rc == 1
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("mlx-recgen: error: ") and re.search(message, err), err
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("backend", ["metal", "cuda"])
+def test_demo_on_a_missing_backend_fails_before_printing(capsys, backend):
+    if backend == "metal" and mx.metal.is_available():
+        pytest.skip("this machine has Metal")
+    if backend == "cuda" and hasattr(mx, "cuda") and mx.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc, out, err = _main(capsys, "demo", "--backend", backend)
+    assert rc == 1 and out == ""
+    assert err.startswith(f"mlx-recgen: error: backend='{backend}' needs") and err.count("\n") == 1
+    rc, out, err = _main(capsys, "check", "ssd", "--backend", backend)
+    assert rc == 1 and out == "" and err.count("\n") == 1
+
+
+def test_traceback_flag_reraises(capsys):
+    with pytest.raises(ValueError, match="unknown spec"):
+        cli.main(["--traceback", "show", "no_such_spec"])
+
+
+def test_demo_reports_every_check(capsys):
+    assert cli.demo("mlx", length=20) == 0
+    out = capsys.readouterr().out
+    for row in ("output y", "final state h", "grad q", "grad k", "grad v", "grad beta",
+                "grad h (initial state)"):
+        assert f"  {row} " in out, row
+    assert "tolerance 1e-04" in out
+    assert "Backend 'mlx' (requested with --backend)" in out
+    assert out.strip().splitlines()[-1].startswith("OK: max relative error")
+
+
+def test_resolve_backend_says_why():
+    assert cli.resolve_backend("mlx") == ("mlx", "requested with --backend")
+    backend, why = cli.resolve_backend(None)
+    assert backend == rg.default_backend() and why.startswith("the best available")
+
+
+def test_check_command_output(capsys):
+    rc, out, err = _main(capsys, "check", "rglru", "--backend", "mlx")
+    assert rc == 0 and err == ""
+    assert "both signs" in out and "grad h (initial state)" in out and "final state h" in out
+    assert "rglru on mlx: OK" in out and "tolerance 1e-04" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# check() finds what the old check could not
+# ---------------------------------------------------------------------------------------------
+
+
+def _spec(body_op):
+    @rg.recurrence(lane="D", state={"h": "B D"}, inputs={"a": "B L D", "x": "B L D"},
+                   outputs={"y": "B L D"}, name=f"planted_{body_op.__name__}")
+    def planted(h, a, x):
+        h = 0.5 * rg.tanh(a) * h + body_op(x)
+        return {"y": h}
+    return planted
+
+
+def _failing(rows):
+    return {name for name, err in rows if not err < cli.TOLERANCE}
+
+
+def test_check_passes_on_a_correct_spec():
+    rows, description = cli.check(_spec(rg.abs), "mlx")
+    assert cli.passed(rows) and "both signs" in description
+    assert [r for r, _ in rows] == ["output y", "final state h", "grad a", "grad x",
+                                    "grad h (initial state)"]
+
+
+def test_check_finds_a_renderer_bug_on_negative_inputs(monkeypatch):
+    """abs printed as the identity: invisible on positive inputs, caught on both signs, because
+    the reference does not go through the printer."""
+    monkeypatch.setitem(MLXPrinter.CALLS, "abs", "")
+    rec = _spec(rg.abs)
+    rows, _ = cli.check(rec, "mlx")
+    assert {"output y", "final state h", "grad a"} <= _failing(rows)
+    positive = [mx.random.uniform(0.2, 0.9, (2, 19, 7)) for _ in range(2)]
+    rows, _ = cli.check(rec, "mlx", case=(positive, [mx.zeros((2, 7))], "positive"))
+    assert cli.passed(rows)  # what a positive-only check would have concluded
+
+
+def test_check_finds_a_renderer_bug_in_a_function(monkeypatch):
+    monkeypatch.setitem(MLXPrinter.CALLS, "sin", "mx.cos")
+    rows, _ = cli.check(_spec(rg.sin), "mlx")
+    assert "output y" in _failing(rows)
+
+
+def test_check_finds_a_wrong_initial_state_gradient(monkeypatch):
+    backward = MLXBackend.backward
+
+    def wrong(self, *args, **kwargs):
+        grads, d_init = backward(self, *args, **kwargs)
+        return grads, [2 * d for d in d_init]
+
+    monkeypatch.setattr(MLXBackend, "backward", wrong)
+    rows, _ = cli.check(_spec(rg.tanh), "mlx")
+    assert _failing(rows) == {"grad h (initial state)"}
+
+
+def test_check_falls_back_to_positive_inputs_for_a_log():
+    rows, description = cli.check(_spec(rg.log), "mlx")
+    assert cli.passed(rows) and "positive" in description
+
+
+def test_check_scales_inputs_down_for_an_unstable_recurrence():
+    @rg.recurrence(lane="D", state={"h": "B D"}, inputs={"a": "B L D", "x": "B L D"},
+                   outputs={"y": "B L D"})
+    def growing(h, a, x):
+        h = rg.exp(8 * a) * h + x  # explodes over 19 steps unless a is small
+        return {"y": h}
+
+    rows, description = cli.check(growing, "mlx")
+    assert cli.passed(rows) and "both signs" in description and "0.5" not in description
+
+
+def test_check_avoids_inputs_where_the_reference_gradient_is_nan():
+    """where(x > 0, sqrt(x), 0): autodiff of the reference gives NaN gradients for negative x
+    (the untaken branch), so the check moves on to positive inputs."""
+    def root(x):
+        return rg.where(x > 0, rg.sqrt(x), 0.0)
+
+    rows, description = cli.check(_spec(root), "mlx")
+    assert cli.passed(rows) and "positive" in description
