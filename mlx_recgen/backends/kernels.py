@@ -139,15 +139,14 @@ class KernelBackend:
                    for t in spec.inputs.values() if not t.has_lane)
         return make_schedule(spec, sizes, seg, threads, shared_floats=rows, kind=kind)
 
-    def _launch(self, sizes, schedule, per_segment=False):
-        """(instances, grid, threadgroup): one thread per (instance, lane), and per segment
-        for the chunked schedule's per-segment kernels (segments outermost)."""
+    def _launch(self, sizes, schedule, outer=1):
+        """(instances, grid, threadgroup): one thread per (instance, lane), times ``outer`` for
+        the chunked schedule's kernels (one per segment, or per state element for the carry;
+        outermost)."""
         instances = 1
         for b in self.rec.spec.batch_axes:
             instances *= sizes[b]
-        total = instances * schedule.groups_per_instance * schedule.threads
-        if per_segment:
-            total *= -(-sizes[self.rec.spec.time] // schedule.seg)
+        total = instances * schedule.groups_per_instance * schedule.threads * outer
         if total >= 2**31:
             raise ValueError(f"{self.rec.spec.name}: {total} threads exceed one kernel launch "
                              "(2^31); split the batch")
@@ -177,8 +176,9 @@ class KernelBackend:
                 + self._product_shapes(sizes, sch, instances))
 
     def _run(self, kind, sch, sizes, inputs, shapes, dtypes, dtypes_text, template=()):
-        instances, grid, group = self._launch(sizes, sch, per_segment=kind in (
-            "summary", "outputs", "local_adjoint", "gradients"))
+        outer = sch.state_size if kind in ("carry", "adjoint_carry") else \
+            -(-sizes[self.rec.spec.time] // sch.seg)
+        instances, grid, group = self._launch(sizes, sch, outer=outer)
         kernel = self.kernel(kind, sch, dtypes_text)
         return kernel(inputs=[*inputs, self._meta(sizes, sch)],
                       template=[*sch.template(), *template], grid=grid, threadgroup=group,

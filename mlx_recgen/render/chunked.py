@@ -39,6 +39,8 @@ class ChunkedRenderer(KernelRenderer):
     def _common(self, kind):
         ctx = super()._common(kind)
         ctx["segment_in_grid"] = kind != "carry"
+        # the carry is independent per state element: one thread per element, not per segment
+        ctx["outer"] = "element" if kind == "carry" else "segment"
         return ctx
 
     # -- names of the per-segment buffers ------------------------------------------------------
@@ -89,26 +91,19 @@ class ChunkedRenderer(KernelRenderer):
         for b, block in enumerate(self.form.blocks):
             syms = [spec.symbols[s] for s in block.slots]
             tensors = [spec.states[s.tensor] for s in block.slots]  # a block may span tensors
-            pad = "      " if block.vector else "    "
-            lines = []
-            for i in range(block.size):
-                lines.append(f"{pad}const float old_{i} = {syms[i]}_s{'[n]' if block.vector else ''};")
+            lines = [f"const float old_{i} = {syms[i]}_s;" for i in range(block.size)]
             for p in self.products:
                 if p.block == b:
-                    lines.append(f"{pad}const float p_{p.row}{p.col} = {self.product_buffer(b)}"
+                    lines.append(f"const float p_{p.row}{p.col} = {self.product_buffer(b)}"
                                  f"[{self._product_offset(p, block.size)}];")
             for i in range(block.size):
                 terms = [f"p_{j}{i} * old_{j}" if reverse else f"p_{i}{j} * old_{j}"
                          for j in range(block.size)]
                 t, c = tensors[i], block.slots[i].component
                 local = f"{t.name}_local[{self.ckpt_offset(t, c)}]"
-                lines.append(f"{pad}{syms[i]}_s{'[n]' if block.vector else ''} = "
-                             f"{' + '.join(terms)} + {local};")
-            if block.vector:
-                lines = ["    for (int n = 0; n < NS; ++n) {", *lines, "    }"]
-            else:
-                lines = ["    {", "      const int n = 0; (void)n;", *[" " * 2 + x for x in lines], "    }"]
-            updates += lines
+                lines.append(f"{syms[i]}_s = {' + '.join(terms)} + {local};")
+            guard = "vector_ok" if block.vector else "scalar_ok"
+            updates += [f"    if ({guard}) {{", *("      " + x for x in lines), "    }"]
         ctx = self._common("carry")
         names = [(t.name, f"d_{t.name}_final" if reverse else f"{t.name}_init",
                   f"{t.name}_lamend" if reverse else f"{t.name}_ckpt",

@@ -189,7 +189,7 @@ class KernelRenderer:
                        f"{spec.state_axis or '(none)'}, batch axes {' '.join(spec.batch_axes) or '(none)'}"]
         return dict(d=d, spec=spec.name, kind=kind, meta=list(enumerate(self.meta.names)),
                     coords=coords, bases=bases, states=states, schedule=self.schedule,
-                    description=description, i64=d.int64, segment_in_grid=False)
+                    description=description, i64=d.int64, segment_in_grid=False, outer=None)
 
     @staticmethod
     def ckpt_offset(t, component, segment="s") -> str:
@@ -227,7 +227,7 @@ class KernelRenderer:
         prog = self.rec.forward_program
         ctx = self._common("forward")
         ctx.update(loads=writer.step_loads(prog, "    "), step=writer.program(prog, route, "    "),
-                   segment_in_grid=segment_in_grid)
+                   segment_in_grid=segment_in_grid, outer="segment" if segment_in_grid else None)
         body = environment().get_template("forward.j2").render(**ctx)
         return body
 
@@ -325,6 +325,7 @@ class KernelRenderer:
             loads=writer.step_loads(program, "      "),
             step=writer.program(program, route, "      "),
             segment_in_grid=segment_in_grid, lambda_only=lambda_only,
+            outer="segment" if segment_in_grid else None,
             # an adjoint that never reads the state (a state-affine update with outputs linear
             # in the state, swept for λ only) needs no recomputed segment
             reads_state=bool(free_symbols(program.statements) & state_symbols),
