@@ -50,13 +50,13 @@ def gated_delta(S, q, k, v, g, beta, i):
     return {"o": rg.Sum(q[i] * S[i], i)}
 
 
-CASES = [
-    ("gla", dict(B=3, L=2048, H=12, K=64, V=64), True),
-    ("gla", dict(B=8, L=4096, H=16, K=64, V=64), False),
+CASES = [  # (spec, shape, also time the per-step MLX loop)
+    ("rglru", dict(B=8, L=4096, D=1024), False),
     ("ssd", dict(B=3, L=2048, H=12, P=64, N=16), True),
     ("ssd", dict(B=8, L=4096, H=16, P=64, N=64), False),
-    ("rglru", dict(B=8, L=4096, D=1024), False),
-    ("gated_delta", dict(B=3, L=2048, H=12, K=64, V=64), True),
+    ("gla", dict(B=3, L=2048, H=12, K=64, V=64), True),
+    ("gla", dict(B=8, L=4096, H=16, K=64, V=64), False),
+    ("gated_delta", dict(B=3, L=2048, H=12, K=64, V=64), False),
     ("gated_delta", dict(B=8, L=4096, H=16, K=64, V=64), False),
 ]
 
@@ -259,46 +259,49 @@ def main():
     result = dict(date=str(datetime.date.today()), versions=versions(), rows=[])
     result["copy_bandwidth_mlx"], result["copy_bandwidth_torch"] = copy_bandwidth()
     cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
-    for name, shape, with_loop in cases:
-        rec = gated_delta if name == "gated_delta" else rg.load_spec(name)
-        xs = make_inputs(name, shape, rng)
-        out_shape = {"gla": ("B", "L", "H", "V"), "ssd": ("B", "L", "H", "P"),
-                     "rglru": ("B", "L", "D"), "gated_delta": ("B", "L", "H", "V")}[name]
-        w = rng.standard_normal(tuple(shape[a] for a in out_shape)).astype(np.float32)
-        for dtype in args.dtypes.split(","):
-            mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
-            row = dict(spec=name, shape=shape, dtype=dtype, runs={})
-            schedules = ["sequential"] + (["chunked"] if rec.time_parallel else [])
-            if with_loop and dtype == "float32":
-                schedules.append("loop")
-            base = None
-            for sch in schedules:
-                try:
-                    r = ours(rec, xs, w, mdt, sch, args.reps)
-                    base = r["y"] if base is None else base
-                    r["err_vs_sequential"] = rel(r.pop("y"), base)
-                except Exception as exc:  # noqa: BLE001
-                    traceback.print_exc()
-                    r = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
-                row["runs"][f"ours-{sch}"] = r
-                print(name, shape, dtype, sch, {k: v for k, v in r.items()}, flush=True)
-                mx.clear_cache()
-            for peer in PEERS[name]:
-                try:
-                    r = peers_run(peer, name, xs, w, dtype, args.reps)
-                    r["err_vs_ours"] = rel(r.pop("y"), base) if base is not None else None
-                except Exception as exc:  # noqa: BLE001
-                    r = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-                row["runs"][peer] = r
-                print(name, shape, dtype, peer, r, flush=True)
-                try:
-                    import torch
-                    torch.cuda.empty_cache()
-                except ImportError:
-                    pass
-            result["rows"].append(row)
+    # every case in fp32 first, so that a run cut short still has the main table
+    for dtype in args.dtypes.split(","):
+        for name, shape, with_loop in cases:
+            result["rows"].append(run_case(name, shape, with_loop, dtype, args.reps, rng))
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
+
+
+def run_case(name, shape, with_loop, dtype, reps, rng):
+    """Every implementation of one case at one dtype, on the same inputs."""
+    rec = gated_delta if name == "gated_delta" else rg.load_spec(name)
+    xs = make_inputs(name, shape, rng)
+    out_shape = {"gla": ("B", "L", "H", "V"), "ssd": ("B", "L", "H", "P"),
+                 "rglru": ("B", "L", "D"), "gated_delta": ("B", "L", "H", "V")}[name]
+    w = rng.standard_normal(tuple(shape[a] for a in out_shape)).astype(np.float32)
+    mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+    row = dict(spec=name, shape=shape, dtype=dtype, runs={})
+    schedules = ["sequential"] + (["chunked"] if rec.time_parallel else [])
+    if with_loop and dtype == "float32":
+        schedules.append("loop")
+    base = None
+    for sch in schedules:
+        try:
+            r = ours(rec, xs, w, mdt, sch, reps)
+            base = r["y"] if base is None else base
+            r["err_vs_sequential"] = rel(r.pop("y"), base)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            r = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        row["runs"][f"ours-{sch}"] = r
+        print(name, shape, dtype, sch, r, flush=True)
+        mx.clear_cache()
+    for peer in PEERS[name]:
+        try:
+            r = peers_run(peer, name, xs, w, dtype, reps)
+            r["err_vs_ours"] = rel(r.pop("y"), base) if base is not None else None
+        except Exception as exc:  # noqa: BLE001
+            r = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+        row["runs"][peer] = r
+        print(name, shape, dtype, peer, r, flush=True)
+        import torch
+        torch.cuda.empty_cache()
+    return row
 
 
 if __name__ == "__main__":
