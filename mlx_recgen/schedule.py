@@ -49,6 +49,12 @@ class Schedule:
         return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads)]
 
 
+def history_rows(spec: Spec, state_size: int) -> int:
+    """Floats of state per thread and step: ``state_size`` per vector slot, 1 per scalar slot."""
+    return sum(t.components * (state_size if t.has_state_axis else 1)
+               for t in spec.states.values())
+
+
 def needs_lane_reduction(spec: Spec) -> bool:
     return any(not t.has_lane for t in spec.inputs.values())
 
@@ -75,8 +81,8 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
         tg = threads or min(padded, 256)
     groups = -(-padded // tg)
     ns = sizes[spec.state_axis] if spec.state_axis else 1
-    slots = sum(t.components for t in spec.states.values())
-    history = "registers" if seg * ns * slots <= REGISTER_HISTORY_FLOATS else "scratch"
+    history = ("registers" if seg * history_rows(spec, ns) <= REGISTER_HISTORY_FLOATS
+               else "scratch")
     if shared_floats * (tg // 32) * 4 > MAX_SHARED_BYTES:
         raise ValueError(f"{spec.name}: the in-kernel lane reduction needs "
                          f"{shared_floats * (tg // 32) * 4} bytes of threadgroup memory "

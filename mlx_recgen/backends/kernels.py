@@ -19,7 +19,7 @@ import mlx.core as mx
 from ..layout import declared_shape
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
-from ..schedule import MetaLayout, make_schedule
+from ..schedule import MetaLayout, history_rows, make_schedule
 
 
 def _dtype_name(d) -> str:
@@ -113,8 +113,11 @@ class KernelBackend:
         return mx.array(self.meta.values(sizes, schedule), dtype=mx.int64)
 
     def _ckpt_shape(self, t, sizes, schedule, instances):
+        """(segments, instances, components, rows, lanes): NS rows for a vector state, one for a
+        scalar state."""
         segments = -(-sizes[self.rec.spec.time] // schedule.seg)
-        return (segments, instances, t.components, schedule.state_size, sizes[self.rec.spec.lane])
+        rows = schedule.state_size if t.has_state_axis else 1
+        return (segments, instances, t.components, rows, sizes[self.rec.spec.lane])
 
     # -- passes ----------------------------------------------------------------------------------
     def forward(self, inputs, states, sizes, seg, out_dtype, threads=None):
@@ -143,9 +146,8 @@ class KernelBackend:
         shapes = [self.meta.grad_shape(t, sizes) for t in spec.inputs.values()]
         shapes += [declared_shape(t, sizes) for t in spec.states.values()]
         if sch.history == "scratch":
-            slots = sum(t.components for t in spec.states.values())
-            shapes.append((sch.seg * slots * sch.state_size * instances * sch.groups_per_instance
-                           * sch.threads,))
+            shapes.append((sch.seg * history_rows(spec, sch.state_size) * instances
+                           * sch.groups_per_instance * sch.threads,))
         results = kernel(inputs=[*inputs, *residuals, *d_outputs,
                                  *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
                          template=sch.template(), grid=grid, threadgroup=group,

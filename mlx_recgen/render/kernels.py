@@ -172,15 +172,20 @@ class KernelRenderer:
                 terms.append(f"lane * {t.name}_stride_{spec.lane}")
             bases.append(f"const {d.int64} {t.name}_base = {' + '.join(terms) or '0'};")
         states = []
+        rows = []  # history rows before this slot's: NS per vector slot, 1 per scalar slot
         for t in spec.states.values():
             for c in range(t.components):
                 sym = spec.symbols[Slot(t.name, c)]
                 comp = f" + {c} * {t.name}_stride_comp" if t.components > 1 else ""
                 n = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
-                ck = (f"(((s * instances + instance) * {t.components} + {c}) * NS + "
-                      f"{'n' if t.has_state_axis else '0'}) * lanes + lane")
+                # a scalar state checkpoints one row per component, a vector state NS
+                ck = (f"(((s * instances + instance) * {t.components} + {c}) * NS + n) * lanes + lane"
+                      if t.has_state_axis else
+                      f"((s * instances + instance) * {t.components} + {c}) * lanes + lane")
                 states.append(dict(sym=str(sym), vector=t.has_state_axis, tensor=t.name,
-                                   offset=f"{t.name}_base{comp}{n}", ckpt=ck))
+                                   offset=f"{t.name}_base{comp}{n}", ckpt=ck,
+                                   row=" + ".join(rows) or "0"))
+                rows.append("NS" if t.has_state_axis else "1")
         def shape_text(t):
             return " ".join(str(a) for a in t.axes)
 
@@ -190,7 +195,8 @@ class KernelRenderer:
                        f"lane axis {spec.lane}, time axis {spec.time}, state axis "
                        f"{spec.state_axis or '(none)'}, batch axes {' '.join(spec.batch_axes) or '(none)'}"]
         return dict(d=d, spec=spec.name, kind=kind, meta=list(enumerate(self.meta.names)),
-                    coords=coords, bases=bases, states=states, schedule=self.schedule,
+                    coords=coords, bases=bases, states=states, history_rows=" + ".join(rows),
+                    schedule=self.schedule,
                     description=description, i64=d.int64)
 
     def header(self, kind, dtypes_text):
@@ -287,7 +293,6 @@ class KernelRenderer:
             extra = [f" + idx_{b} * d{t.name}_stride_{b}" for b in self.meta.grad_axes[t.name]]
             grad_bases.append(f"const {d.int64} d_{t.name}_base = {t.name}_base{''.join(extra)};")
         ctx = self._common("backward")
-        n_slots = sum(t.components for t in spec.states.values())
         ctx.update(
             recompute_loads=writer.step_loads(recompute, "      "),
             recompute=writer.program(recompute, _commit_state(spec), "      "),
@@ -296,7 +301,7 @@ class KernelRenderer:
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
             time_count=rows(time_rows),
-            param_count=rows(param_rows), n_slots=n_slots,
+            param_count=rows(param_rows),
         )
         return environment().get_template("backward.j2").render(**ctx)
 
