@@ -258,3 +258,21 @@ def test_vector_state_beside_scalar_state(backend, N, seg, history):
               mx.random.normal((b, L, P))]
     states = [mx.random.normal((b, P, N)) * 0.5, mx.random.normal((b, P))]
     _check_against_reference(gated_memory, inputs, states, backend, seg=seg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_dimensional_parameter(backend):
+    """A 0-d input (declared with no axes) reaches the kernels as one element; its gradient is
+    reduced over lanes, batch and time and comes back 0-d."""
+
+    @rg.recurrence(lane="D", state={"h": "B D"}, inputs={"x": "B L D", "tau": ""},
+                   outputs={"y": "B L D"})
+    def leaky(h, x, tau):
+        h = rg.sigmoid(tau) * h + x
+        return {"y": rg.tanh(h) * tau}
+
+    b, L, D = 2, 9, 40  # two simdgroups per instance
+    inputs = [mx.random.normal((b, L, D)), mx.array(-0.7)]
+    _, grads = _check_against_reference(leaky, inputs, [mx.random.normal((b, D))], backend,
+                                        seg=4)
+    assert grads[1].shape == ()

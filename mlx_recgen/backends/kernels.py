@@ -26,6 +26,12 @@ def _dtype_name(d) -> str:
     return str(d).replace("mlx.core.", "")
 
 
+def _as_buffer(x):
+    """MLX passes a 0-d input as a reference (``const constant T&``), which the kernels cannot
+    index; pass it as shape (1,) instead (same element, same address space)."""
+    return mx.reshape(x, (1,)) if x.ndim == 0 else x
+
+
 def kernel_factory(backend: str):
     """The kernel constructor of a backend (same signature for all three)."""
     if backend == "metal":
@@ -126,6 +132,7 @@ class KernelBackend:
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
         kernel = self.kernel("forward", sch, dtypes)
+        inputs = [_as_buffer(x) for x in inputs]
         shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
         shapes += [declared_shape(t, sizes) for t in spec.states.values()]
         shapes += [self._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
@@ -148,7 +155,7 @@ class KernelBackend:
         if sch.history == "scratch":
             shapes.append((sch.seg * history_rows(spec, sch.state_size) * instances
                            * sch.groups_per_instance * sch.threads,))
-        results = kernel(inputs=[*inputs, *residuals, *d_outputs,
+        results = kernel(inputs=[*map(_as_buffer, inputs), *residuals, *d_outputs,
                                  *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
                          template=sch.template(), grid=grid, threadgroup=group,
                          output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes))
@@ -170,6 +177,11 @@ class _ArrayInfo:
         self.dtype, self.ndim, self.size = dtype, ndim, size
 
 
+def _input_info(dtype, t):
+    """An input as the kernel receives it (a 0-d input as shape (1,), see ``_as_buffer``)."""
+    return _ArrayInfo(dtype, len(t.axes)) if t.axes else _ArrayInfo(dtype, 1, 1)
+
+
 def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, lanes=64,
                   threads=None):
     """The full text of a kernel as the backend compiles it (MLX's generated signature included),
@@ -189,13 +201,13 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
     n_in = len(spec.inputs)
     if kind == "forward":
         dtypes_text = ", ".join([_dtype_name(dtype)] * n_in) + f" -> {_dtype_name(dtype)}"
-        infos = [_ArrayInfo(dtype, len(t.axes)) for t in spec.inputs.values()]
+        infos = [_input_info(dtype, t) for t in spec.inputs.values()]
         infos += [_ArrayInfo(mx.float32, len(t.axes)) for t in spec.states.values()]
         out_dtypes = [dtype] * len(spec.outputs) + [mx.float32] * (2 * len(spec.states))
         template = [*sch.template(), ("OutT", dtype)]
     else:
         dtypes_text = ", ".join([_dtype_name(dtype)] * (n_in + len(spec.outputs)))
-        infos = [_ArrayInfo(dtype, len(t.axes)) for t in spec.inputs.values()]
+        infos = [_input_info(dtype, t) for t in spec.inputs.values()]
         infos += [_ArrayInfo(mx.float32, 5) for _ in spec.states]
         infos += [_ArrayInfo(dtype, len(t.axes)) for t in spec.outputs.values()]
         infos += [_ArrayInfo(mx.float32, len(t.axes)) for t in spec.states.values()]
