@@ -22,12 +22,15 @@ REGISTER_HISTORY_FLOATS = 128  # per thread; beyond this the recomputed segment 
 MAX_SHARED_BYTES = 32 * 1024
 
 
+COMPONENT = None  # the key of a component axis among axis names (never a str)
+
+
 def axis_strides(t, sizes) -> dict:
-    """Row-contiguous strides of a tensor's declared axes, by axis name ("comp" for a
+    """Row-contiguous strides of a tensor's declared axes, by axis name (``COMPONENT`` for a
     component axis)."""
     strides, step = {}, 1
     for a in reversed(t.axes):
-        strides["comp" if isinstance(a, int) else a] = step
+        strides[COMPONENT if isinstance(a, int) else a] = step
         step *= a if isinstance(a, int) else sizes[a]
     return strides
 
@@ -92,35 +95,40 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
 
 
 class MetaLayout:
-    """The runtime ``meta`` array: named int64 entries shared by the templates and the glue."""
+    """The runtime ``meta`` array: int64 entries shared by the templates and the glue.
+
+    ``keys`` lists them in order: the generated names ``L``, ``instances``, ``lanes``,
+    ``groups_per_instance``, ``segments``, then tuples for values tied to spec names:
+    ``("size", axis)``, ``("stride", tensor, axis)`` (``COMPONENT`` for a component axis) and
+    ``("d_stride", input, axis)`` (the lead axes of a gradient buffer). The renderer spells the
+    tuples through ``render.names``."""
+
+    GENERATED = ("L", "instances", "lanes", "groups_per_instance", "segments")
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        self.names = ["L", "instances", "lanes", "groups_per_instance", "segments"]
-        self.names += [f"size_{b}" for b in spec.batch_axes]
+        self.keys = list(self.GENERATED)
+        self.keys += [("size", b) for b in spec.batch_axes]
         self.tensor_axes = {}
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
-            self._add_tensor(t.name, t)
+            axes = list(t.batch_axes)
+            for a, present in ((spec.time, t.has_time), (spec.lane, t.has_lane),
+                               (spec.state_axis, t.has_state_axis),
+                               (COMPONENT, t.components > 1)):
+                if present:
+                    axes.append(a)
+            self.tensor_axes[t.name] = axes
+            self.keys += [("stride", t.name, a) for a in axes]
         # gradient buffers carry, in front of the input's own axes, the batch axes it lacks
         self.grad_axes = {t.name: [b for b in spec.batch_axes if b not in t.batch_axes]
                           for t in spec.inputs.values()}
         for name, axes in self.grad_axes.items():
-            self.names += [f"d{name}_stride_{b}" for b in axes]
-        self.index = {n: i for i, n in enumerate(self.names)}
+            self.keys += [("d_stride", name, b) for b in axes]
 
     def grad_shape(self, t, sizes) -> tuple:
         """Shape of the kernel's gradient buffer for input ``t`` (summed over the lead axes)."""
         lead = tuple(sizes[b] for b in self.grad_axes[t.name])
         return lead + tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
-
-    def _add_tensor(self, key, t):
-        axes = list(t.batch_axes)
-        for a, present in ((self.spec.time, t.has_time), (self.spec.lane, t.has_lane),
-                           (self.spec.state_axis, t.has_state_axis), ("comp", t.components > 1)):
-            if present:
-                axes.append(a)
-        self.tensor_axes[key] = axes
-        self.names += [f"{key}_stride_{a}" for a in axes]
 
     def values(self, sizes: dict, schedule: Schedule) -> list:
         spec = self.spec
@@ -130,16 +138,16 @@ class MetaLayout:
         v = {"L": sizes[spec.time], "instances": instances, "lanes": sizes[spec.lane],
              "groups_per_instance": schedule.groups_per_instance,
              "segments": -(-sizes[spec.time] // schedule.seg)}
-        v.update({f"size_{b}": sizes[b] for b in spec.batch_axes})
+        v.update({("size", b): sizes[b] for b in spec.batch_axes})
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
             st = axis_strides(t, sizes)
             for a in self.tensor_axes[t.name]:
-                v[f"{t.name}_stride_{a}"] = st[a]
+                v[("stride", t.name, a)] = st[a]
         for t in spec.inputs.values():
             step = 1
             for a in t.axes:
                 step *= a if isinstance(a, int) else sizes[a]
             for b in reversed(self.grad_axes[t.name]):
-                v[f"d{t.name}_stride_{b}"] = step
+                v[("d_stride", t.name, b)] = step
                 step *= sizes[b]
-        return [v[n] for n in self.names]
+        return [v[k] for k in self.keys]

@@ -276,3 +276,40 @@ def test_zero_dimensional_parameter(backend):
     _, grads = _check_against_reference(leaky, inputs, [mx.random.normal((b, D))], backend,
                                         seg=4)
     assert grads[1].shape == ()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("mlx"), *BACKENDS])
+def test_tensor_names_colliding_with_generated_identifiers(backend):
+    """Tensor and local names that generated code also uses (kernel variables, meta entries,
+    coordinates, C/Metal/CUDA and Python keywords, the MLX module), names whose readable
+    spelling another name's derived identifier takes (s_v: the value of s; j_shape: what MLX
+    calls the shape of buffer j) and a non-ASCII name."""
+
+    @rg.recurrence(lane="P", state={"s": "B P N"},
+                   inputs={"L": "B L N", "t": "B L P", "idx_B": "B L", "int": "N", "meta": "P"},
+                   outputs={"lambda": "B L P"})
+    def colliding_names_vector(s, L, t, idx_B, int, meta, i):
+        j = rg.Sum(L[i] * s[i], i)
+        s[i] = rg.sigmoid(idx_B) * s[i] + int[i] * rg.tanh(t - j) * L[i]
+        n = rg.Sum(L[i] * s[i], i)
+        return {"lambda": meta * n + j}
+
+    @rg.recurrence(lane="D", state={"n": "B D", "mx": "B D"},
+                   inputs={"j_shape": "B L D", "s": "B L D", "j": "B L", "size_B": "B D",
+                           "t": "", "s_v": "B L D", "λ": "B L D"},
+                   outputs={"L": "B L D"})
+    def colliding_names_scalar(n, mx, j_shape, s, j, size_B, t, s_v, λ):
+        n = rg.sigmoid(j) * n + s * size_B + 0.5 * j_shape * s_v
+        mx = 0.5 * mx + rg.tanh(n) * t + λ
+        return {"L": n * mx}
+
+    b, L, P, N, D = 2, 9, 5, 3, 6
+    vec = [mx.random.normal((b, L, N)) * 0.5, mx.random.normal((b, L, P)),
+           mx.random.normal((b, L)), mx.random.normal((N,)), mx.random.normal((P,))]
+    _check_against_reference(colliding_names_vector, vec, [mx.random.normal((b, P, N))],
+                             backend, seg=4)
+    scal = [mx.random.normal((b, L, D)), mx.random.normal((b, L, D)), mx.random.normal((b, L)),
+            mx.random.normal((b, D)), mx.array(0.8), mx.random.normal((b, L, D)),
+            mx.random.normal((b, L, D))]
+    _check_against_reference(colliding_names_scalar, scal,
+                             [mx.random.normal((b, D)), mx.random.normal((b, D))], backend, seg=4)

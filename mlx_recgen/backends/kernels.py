@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..layout import declared_shape
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
+from ..render.names import kernel_identifiers, kernel_name
 from ..schedule import MetaLayout, history_rows, make_schedule
 
 
@@ -64,25 +65,29 @@ class KernelBackend:
         self.rec, self.name = rec, backend
         self.dialect = DIALECTS[backend]
         self.meta = MetaLayout(rec.spec)
+        self.ids = kernel_identifiers(rec, self.meta)
         self._factory = None
         self._kernels = {}
 
     # -- names -----------------------------------------------------------------------------------
     def buffers(self, kind, schedule) -> _Buffers:
-        s = self.rec.spec
+        s, ids = self.rec.spec, self.ids
         if kind == "forward":
-            return _Buffers([*s.inputs, *(f"{t}_init" for t in s.states), "meta"],
-                            [*s.outputs, *(f"{t}_final" for t in s.states),
-                             *(f"{t}_ckpt" for t in s.states)])
-        outs = [*(f"d_{t}" for t in s.inputs), *(f"d_{t}_init" for t in s.states)]
+            return _Buffers([*(ids["buffer", t] for t in s.inputs),
+                             *(ids["init", t] for t in s.states), "meta"],
+                            [*(ids["buffer", t] for t in s.outputs),
+                             *(ids["final", t] for t in s.states),
+                             *(ids["ckpt", t] for t in s.states)])
+        outs = [*(ids["d", t] for t in s.inputs), *(ids["d_init", t] for t in s.states)]
         if schedule.history == "scratch":
             outs.append("scratch")
-        return _Buffers([*s.inputs, *(f"{t}_ckpt" for t in s.states), *(f"d_{t}" for t in s.outputs),
-                         *(f"d_{t}_final" for t in s.states), "meta"], outs)
+        return _Buffers([*(ids["buffer", t] for t in s.inputs), *(ids["ckpt", t] for t in s.states),
+                         *(ids["d", t] for t in s.outputs), *(ids["d_final", t] for t in s.states),
+                         "meta"], outs)
 
     def render(self, kind, schedule, dtypes_text):
         """(body, header) of a kernel."""
-        r = KernelRenderer(self.rec, self.dialect, schedule)
+        r = KernelRenderer(self.rec, self.dialect, schedule, self.ids)
         body = r.forward() if kind == "forward" else r.backward()
         return body, r.header(kind, dtypes_text)
 
@@ -94,7 +99,7 @@ class KernelBackend:
             body, header = self.render(kind, schedule, dtypes_text)
             names = self.buffers(kind, schedule)
             self._kernels[key] = self._factory(
-                name=f"recgen_{self.rec.spec.name}_{kind}", input_names=names.inputs,
+                name=kernel_name(self.rec.spec.name, kind), input_names=names.inputs,
                 output_names=names.outputs, source=body, header=header)
         return self._kernels[key]
 
@@ -213,9 +218,9 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
         infos += [_ArrayInfo(mx.float32, len(t.axes)) for t in spec.states.values()]
         out_dtypes = [mx.float32] * len(names.outputs)
         template = sch.template()
-    infos.append(_ArrayInfo(mx.int64, 1, len(impl.meta.names)))
+    infos.append(_ArrayInfo(mx.int64, 1, len(impl.meta.keys)))
     body, header = impl.render(kind, sch, dtypes_text)
     build = cuda_source if backend == "cuda" else metal_source
-    _, text = build(f"recgen_{spec.name}_{kind}", names.inputs, names.outputs, body, header,
+    _, text = build(kernel_name(spec.name, kind), names.inputs, names.outputs, body, header,
                     infos, out_dtypes, template)
     return text
