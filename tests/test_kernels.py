@@ -313,3 +313,37 @@ def test_tensor_names_colliding_with_generated_identifiers(backend):
             mx.random.normal((b, L, D))]
     _check_against_reference(colliding_names_scalar, scal,
                              [mx.random.normal((b, D)), mx.random.normal((b, D))], backend, seg=4)
+
+
+# Lane reductions past one threadgroup and past its memory: (spec, sizes, seg, threads, what the
+# schedule must do). gla with 1056 lanes: two groups, each writing a partial sum. ssd with
+# N = 300 on 1024 lanes: 601 rows per step exceed the 256 rows of 32 KiB at 32 simdgroups, so
+# dB and dC are reduced in three rounds of the state loop and dA in two. ssd with 1056 lanes:
+# both. gla with threads=32: partial sums chosen by the caller.
+LARGE_REDUCTIONS = [
+    ("gla", dict(b=1, L=3, H=1, K=2, V=1056), 2, None, dict(groups_per_instance=2)),
+    ("ssd", dict(b=1, L=3, H=1, P=1024, N=300), 2, None,
+     dict(groups_per_instance=1, time_rounds=True)),
+    ("ssd", dict(b=2, L=3, H=1, P=1056, N=300), 2, None,
+     dict(groups_per_instance=2, time_rounds=True)),
+    ("gla", dict(b=2, L=5, H=2, K=3, V=40), 2, 32, dict(groups_per_instance=2)),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", LARGE_REDUCTIONS, ids=lambda c: _ids(c[:3]) + f"-tg{c[3]}")
+def test_lane_reductions_across_groups_and_in_rounds(backend, case):
+    from mlx_recgen.schedule import make_schedule
+
+    spec, sizes, seg, threads, expect = case
+    rec = rg.load_spec(spec)
+    axes = {"b": "B", "L": "L", "H": "H", "P": "P", "N": "N", "K": "K", "V": "V"}
+    sch = make_schedule(rec.spec, {axes[k]: v for k, v in sizes.items()}, seg, threads)
+    for field, value in expect.items():
+        assert getattr(sch, field) == value, field
+    inputs, h0 = INPUTS[spec](**sizes)
+    call = dict(seg=seg) if threads is None else dict(seg=seg, threads=threads)
+    first = _check_against_reference(rec, inputs, [h0], backend, **call)
+    second = _check_against_reference(rec, inputs, [h0], backend, **call)
+    for a, b in zip([*first[0], *first[1]], [*second[0], *second[1]]):
+        assert mx.array_equal(a, b).item()

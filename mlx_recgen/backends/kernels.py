@@ -105,10 +105,7 @@ class KernelBackend:
 
     # -- shapes ----------------------------------------------------------------------------------
     def _schedule(self, sizes, seg, threads):
-        spec = self.rec.spec
-        rows = sum((sizes[spec.state_axis] if t.has_state_axis else 1) * t.components
-                   for t in spec.inputs.values() if not t.has_lane)
-        return make_schedule(spec, sizes, seg, threads, shared_floats=rows)
+        return make_schedule(self.rec.spec, sizes, seg, threads)
 
     def _launch(self, sizes, schedule):
         instances = 1
@@ -155,7 +152,7 @@ class KernelBackend:
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         kernel = self.kernel("backward", sch, dtypes)
-        shapes = [self.meta.grad_shape(t, sizes) for t in spec.inputs.values()]
+        shapes = [self.meta.grad_shape(t, sizes, sch) for t in spec.inputs.values()]
         shapes += [declared_shape(t, sizes) for t in spec.states.values()]
         if sch.history == "scratch":
             shapes.append((sch.seg * history_rows(spec, sch.state_size) * instances
@@ -166,7 +163,8 @@ class KernelBackend:
                          output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes))
         grads = []
         for t, x, g in zip(spec.inputs.values(), inputs, results):
-            lead = len(self.meta.grad_axes[t.name])
+            # partial sums over lane groups, batch axes the input lacks: a deterministic MLX sum
+            lead = len(self.meta.grad_lead(t, sizes, sch))
             if lead:
                 g = mx.sum(g, axis=tuple(range(lead)))
             grads.append(g.astype(x.dtype))

@@ -18,7 +18,8 @@ import jinja2
 
 from ..ir import Accumulate, Assign, Loop, Program, Store, free_symbols
 from ..resources import templates_dir
-from ..schedule import COMPONENT, MetaLayout, Schedule
+from ..schedule import (COMPONENT, LANE_GROUPS, MAX_SHARED_BYTES, MAX_SHARED_FLOATS, MetaLayout,
+                        Schedule)
 from ..spec import Slot
 from .dialects import Dialect
 from .expr import CPrinter
@@ -38,7 +39,7 @@ def environment() -> jinja2.Environment:
 
 @dataclass
 class SharedSlot:
-    """A gradient reduced over the lanes of an instance: its rows in the reduction buffer."""
+    """A gradient reduced over the lanes of a threadgroup: its rows in the reduction buffer."""
 
     offset: str  # first row, as a C constant expression
     size: str  # "NS" or "1"
@@ -122,10 +123,11 @@ class StepWriter:
                 for s in sorted(free, key=str) if s in self.scalar_loads]
 
     # -- statements ----------------------------------------------------------------------------
-    def program(self, program: Program, route, pad: str) -> list:
+    def program(self, program: Program, route, pad: str, loop_end=None) -> list:
         """C lines of a program; ``route(store, value, in_loop, pad)`` gives the lines that use a
         stored value now and those deferred to the end of the step (or of the loop iteration):
-        a new state or adjoint is committed only after every read of the old one."""
+        a new state or adjoint is committed only after every read of the old one.
+        ``loop_end(loop, pad)`` gives lines that close each loop iteration."""
         lines, deferred = [], []
         stores = itertools.count()
 
@@ -155,6 +157,7 @@ class StepWriter:
             for b in st.body:
                 emit(b, inner, True, lines, loop_deferred)
             lines += loop_deferred
+            lines += loop_end(st, inner) if loop_end else []
             lines.append(f"{pad}}}")
         return lines + deferred
 
@@ -267,6 +270,11 @@ class KernelRenderer:
             offset = nm.terms(t, c, time=with_time, n=in_loop)
             return f"{nm[('d', t.name)]}[{nm[('d_base', t.name)]}{offset}]"
 
+        # with time_rounds, the vector gradients reduced every step take rows
+        # (n % ROUND) * len(loop_rows) + k and are reduced inside the state loop, every ROUND
+        # iterations; the scalar ones keep their rows in time_rows, reduced after the step
+        loop_rows = {}
+
         def route(store, value, in_loop, pad):
             if store.kind == "lambda":
                 lam = nm[("sym", self.rec.adjoint.state_cotangents[store.slot])]
@@ -281,11 +289,33 @@ class KernelRenderer:
                 masked = value if t.has_lane else f"(lane_ok ? {value} : 0.0f)"
                 return [f"{pad}{name}[{n_idx}] += {masked};"], []
             # shared, time-varying: reduce over lanes this step
-            slot = time_rows[(t.name, c)]
+            if (t.name, c) in loop_rows:
+                row = f"(n % ROUND) * {len(loop_rows)} + {list(loop_rows).index((t.name, c))}"
+            else:
+                row = f"{time_rows[(t.name, c)].offset} + {n_idx}"
             return [f"{pad}{{",
                     f"{pad}  const float lanes_sum = {d.simd_sum}(lane_ok ? {value} : 0.0f);",
-                    f"{pad}  if (simd_lane == 0) {{ red[({slot.offset} + {n_idx}) * NSG + simd_group] = lanes_sum; }}",
+                    f"{pad}  if (simd_lane == 0) {{ red[({row}) * NSG + simd_group] = lanes_sum; }}",
                     f"{pad}}}"], []
+
+        def round_end(loop, pad):
+            """The lane reductions of one round of the state loop (time_rounds only)."""
+            if not any(isinstance(b, Store) and b.kind == "grad" and
+                       (b.slot.tensor, b.slot.component) in loop_rows for b in loop.body):
+                return []
+            k = len(loop_rows)
+            lines = [f"{pad}// lane reductions of this round's ROUND iterations, {k} rows each",
+                     f"{pad}if ((n + 1) % ROUND == 0 || n + 1 == NS) {{",
+                     f"{pad}  const int first = n - n % ROUND;",
+                     f"{pad}  {d.barrier};",
+                     f"{pad}  for (int row = int(tid); row < (n - first + 1) * {k}; row += TG) {{",
+                     f"{pad}    float total = 0.0f;",
+                     f"{pad}    for (int sg = 0; sg < NSG; ++sg) {{ total += red[row * NSG + sg]; }}",
+                     f"{pad}    const int n = first + row / {k};"]
+            for i, target in enumerate(loop_rows.values()):
+                cond = f"if (row % {k} == {i}) " if i < k - 1 else ""
+                lines.append(f"{pad}    {'else ' if i else ''}{cond}{{ {target} = total; }}")
+            return lines + [f"{pad}  }}", f"{pad}  {d.barrier};", f"{pad}}}"]
 
         for t in spec.inputs.values():
             for c in range(t.components):
@@ -299,8 +329,11 @@ class KernelRenderer:
                                              size=size, shared=not t.has_lane, target=target,
                                              slot=row))
                 elif not t.has_lane:
-                    time_rows[(t.name, c)] = SharedSlot(rows(time_rows), size,
-                                                        grad_target(t, c, t.has_state_axis, True))
+                    target = grad_target(t, c, t.has_state_axis, True)
+                    if self.schedule.time_rounds and t.has_state_axis:
+                        loop_rows[(t.name, c)] = target
+                    else:
+                        time_rows[(t.name, c)] = SharedSlot(rows(time_rows), size, target)
 
         recompute = _without_outputs(self.rec.forward_program)
 
@@ -316,6 +349,8 @@ class KernelRenderer:
         for t in spec.inputs.values():
             extra = [f" + {nm[('idx', b)]} * {nm[('d_stride', t.name, b)]}"
                      for b in self.meta.grad_axes[t.name]]
+            if self.schedule.lane_partials and not t.has_lane:
+                extra.append(f" + lane_group * {nm[('d_stride', t.name, LANE_GROUPS)]}")
             grad_bases.append(f"const {d.int64} {nm[('d_base', t.name)]} = "
                               f"{nm[('base', t.name)]}{''.join(extra)};")
         ctx = self._common("backward")
@@ -323,11 +358,12 @@ class KernelRenderer:
             recompute_loads=writer.step_loads(recompute, "      "),
             recompute=writer.program(recompute, _commit_state(spec, nm), "      "),
             loads=writer.step_loads(adj.program, "      "),
-            step=writer.program(adj.program, route, "      "),
+            step=writer.program(adj.program, route, "      ", loop_end=round_end),
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
             time_count=rows(time_rows),
-            param_count=rows(param_rows),
+            param_count=rows(param_rows), loop_count=len(loop_rows),
+            max_shared_floats=MAX_SHARED_FLOATS, max_shared_bytes=MAX_SHARED_BYTES,
         )
         return environment().get_template("backward.j2").render(**ctx)
 

@@ -21,7 +21,7 @@ numeric suffix, in an order fixed by the spec, so every kernel of a spec agrees.
 from __future__ import annotations
 
 from ..ir import Accumulate, Assign, Loop
-from ..schedule import COMPONENT
+from ..schedule import COMPONENT, LANE_GROUPS
 
 PREFIX = "u_"
 
@@ -73,7 +73,7 @@ class Identifiers:
 
 
 def _axis_text(a) -> str:
-    return "comp" if a is COMPONENT else a
+    return {COMPONENT: "comp", LANE_GROUPS: "lane_group"}.get(a, a) if not isinstance(a, str) else a
 
 
 def program_symbols(program) -> set:
