@@ -6,16 +6,22 @@ Two schedules, chosen in one place (``choose``):
   every ``seg`` steps; the backward walks segments newest first. Any recurrence.
 * ``chunked``: for state-affine recurrences (``affine.analyse``) time runs in parallel. One
   thread per (segment, instance, lane) summarises its segment (local end state from zero,
-  composed multiplier), one thread per (instance, lane) carries the summaries over segments
-  into the checkpoints, then every segment reruns its steps from its checkpoint and writes the
-  outputs. The backward mirrors it: local adjoints per segment, a carry of ``λ`` with the
-  transposed multipliers, then every segment sweeps its adjoint and writes the gradients.
+  composed multiplier), one thread per (state element, instance, lane) carries the summaries
+  over segments into the checkpoints, then every segment reruns its steps from its checkpoint
+  and writes the outputs. The backward mirrors it: local adjoints per segment, a carry of ``λ``
+  with the transposed multipliers, then every segment sweeps its adjoint and writes the
+  gradients (``render/chunked.py``).
 
-Mapping: one thread per (instance, lane), and in the chunked kernels also per segment. The lanes of one instance are padded to a multiple of
-the threadgroup size and split into ``groups_per_instance`` threadgroups; grid x counts all of
-them (instances are folded into x, so no grid dimension limit caps the batch). When a gradient
-must be reduced over lanes (an input without the lane axis), all lanes of an instance share one
-threadgroup, so the reduction runs in-kernel: ``simd_sum`` then threadgroup memory.
+Mapping: one thread per (instance, lane). The lanes of one instance are padded to a multiple of
+32, then split into ``groups_per_instance`` threadgroups of ``TG`` threads; grid x counts all of
+them (instances are folded into x, so no grid dimension limit caps the batch).
+
+Gradients reduced over lanes (of inputs without the lane axis) are summed in-kernel over the
+lanes of each threadgroup: ``simd_sum``, then threadgroup memory across simdgroups. When all
+lanes of an instance fit in one group (at most 1024), that is the whole sum; otherwise each group
+writes its partial sum along a leading axis of the gradient buffer and an MLX sum over that axis
+finishes it after the kernel (deterministic: no atomics). Threadgroup memory holds at most
+32 KiB of rows; beyond that the rows are reduced in rounds.
 
 Compile-time constants (template parameters): the state size ``NS``, the segment ``SEG`` and the
 threads per group ``TG``. Everything else — sequence length, batch sizes, lane count, strides —
@@ -24,13 +30,18 @@ is a runtime value in the ``meta`` array, so a new sequence length reuses the co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .spec import Spec
 
 MAX_THREADS = 1024
 REGISTER_HISTORY_FLOATS = 128  # per thread; beyond this the recomputed segment goes to scratch
-MAX_SHARED_BYTES = 32 * 1024
+MAX_SHARED_BYTES = 32 * 1024  # threadgroup memory for lane reductions (Metal's guaranteed size)
+MAX_SHARED_FLOATS = MAX_SHARED_BYTES // 4
+
+COMPONENT = None  # the key of a component axis among axis names (never a str)
+LANE_GROUPS = 0  # the key of the partial-sum axis of a lane-reduced gradient (never a str)
+SEGMENTS = 1  # the key of the per-segment partial-sum axis of a parameter gradient (chunked)
 
 SCHEDULES = ("auto", "sequential", "chunked")
 SEQUENTIAL_SEG = 32
@@ -39,25 +50,86 @@ SEQUENTIAL_SEG = 32
 CHUNKED_TARGET_THREADS = 1 << 17
 CHUNKED_HISTORY_FLOATS = 1024
 CHUNKED_MIN_SEG = 8
+# Where one sequential step already has this much state to update (instances x padded lanes x
+# state floats per lane), the sequential kernel fills the GPU and chunking only adds traffic:
+# on an H100, GLA and SSD with 128 instances x 64 lanes x 64 state floats ran as fast or faster
+# sequentially, with half the memory; with 2,304 lanes x 16-64 floats chunked ran 1.3-2x faster.
+CHUNKED_MAX_SEQUENTIAL_WORK = 1 << 19
 
 
 def axis_strides(t, sizes) -> dict:
-    """Row-contiguous strides of a tensor's declared axes, by axis name ("comp" for a
+    """Row-contiguous strides of a tensor's declared axes, by axis name (``COMPONENT`` for a
     component axis)."""
     strides, step = {}, 1
     for a in reversed(t.axes):
-        strides["comp" if isinstance(a, int) else a] = step
+        strides[COMPONENT if isinstance(a, int) else a] = step
         step *= a if isinstance(a, int) else sizes[a]
     return strides
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seg: int
+    threads: int  # threads per group (TG)
+    groups_per_instance: int
+    lane_reduction: bool  # some gradient is reduced over lanes
+    history: str  # "registers" | "scratch"
+    state_size: int  # NS (1 without a state axis)
+    kind: str = "sequential"  # | "chunked"
+    time_rounds: bool = False  # per-step lane reductions in rounds inside the state loop
+
+    @property
+    def simdgroups(self) -> int:
+        return self.threads // 32
+
+    @property
+    def lane_partials(self) -> bool:
+        """Lane-reduced gradients come out as one partial sum per group of an instance."""
+        return self.lane_reduction and self.groups_per_instance > 1
+
+    @property
+    def shared_rows(self) -> int:
+        """Rows of the threadgroup reduction buffer that fit in ``MAX_SHARED_BYTES``."""
+        return MAX_SHARED_FLOATS // self.simdgroups
+
+    def template(self):
+        return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads)]
+
+
+def history_rows(spec: Spec, state_size: int) -> int:
+    """Floats of state per thread and step: ``state_size`` per vector slot, 1 per scalar slot."""
+    return sum(t.components * (state_size if t.has_state_axis else 1)
+               for t in spec.states.values())
+
+
+def needs_lane_reduction(spec: Spec) -> bool:
+    return any(not t.has_lane for t in spec.inputs.values())
+
+
+def lane_reduced_rows(spec: Spec, state_size: int) -> tuple:
+    """Rows of the lane reductions: (vector slots reduced every step, scalar slots reduced every
+    step, rows reduced once at the end). A vector slot has ``state_size`` rows."""
+    vector = scalar = params = 0
+    for t in spec.inputs.values():
+        if t.has_lane:
+            continue
+        if not t.has_time:
+            params += t.components * (state_size if t.has_state_axis else 1)
+        elif t.has_state_axis:
+            vector += t.components
+        else:
+            scalar += t.components
+    return vector, scalar, params
 
 
 def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     """The schedule and segment length of one call: ``(kind, seg)``.
 
     ``auto`` runs ``chunked`` when the recurrence is state-affine, the backend has the chunked
-    form, and the sequence holds at least two chunks; else ``sequential``. ``chunked`` on a
-    recurrence that is not state-affine raises ``ValueError`` saying why. ``seg`` (the
-    checkpoint interval, which is also the chunk length) is chosen when not given."""
+    form, the sequence holds at least two chunks and one sequential step would not already fill
+    the GPU (``CHUNKED_MAX_SEQUENTIAL_WORK``); else ``sequential``. ``chunked`` on a recurrence
+    that is not state-affine raises ``ValueError`` saying why. ``seg`` (the checkpoint
+    interval, which is also the chunk length) is chosen when not given."""
     spec = rec.spec
     if requested not in SCHEDULES:
         raise ValueError(f"{spec.name}(): schedule must be one of {SCHEDULES}, got {requested!r}")
@@ -75,10 +147,26 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     kind = requested
     if requested == "auto":
         chunk = seg or chunk_length(spec, sizes)
-        kind = "chunked" if form.time_parallel and kernels and L >= 2 * chunk else "sequential"
+        busy = _lane_width(spec, sizes) * _state_floats(spec, sizes) >= CHUNKED_MAX_SEQUENTIAL_WORK
+        kind = ("chunked" if form.time_parallel and kernels and L >= 2 * chunk and not busy
+                else "sequential")
     if seg is None:
         seg = chunk_length(spec, sizes) if kind == "chunked" else SEQUENTIAL_SEG
     return kind, min(seg, L)
+
+
+def _lane_width(spec: Spec, sizes: dict) -> int:
+    """Threads of one sequential step: instances x lanes padded to 32."""
+    width = -(-sizes[spec.lane] // 32) * 32
+    for b in spec.batch_axes:
+        width *= sizes[b]
+    return width
+
+
+def _state_floats(spec: Spec, sizes: dict) -> int:
+    """State floats per lane."""
+    return (sizes[spec.state_axis] if spec.state_axis else 1) * \
+        sum(t.components for t in spec.states.values())
 
 
 def chunk_length(spec: Spec, sizes: dict) -> int:
@@ -86,111 +174,99 @@ def chunk_length(spec: Spec, sizes: dict) -> int:
     ``CHUNKED_TARGET_THREADS`` threads, and for the recomputed chunk to fit in
     ``CHUNKED_HISTORY_FLOATS`` per thread; at least ``CHUNKED_MIN_SEG`` steps when the history
     allows."""
-    L = sizes[spec.time]
-    width = -(-sizes[spec.lane] // 32) * 32
-    for b in spec.batch_axes:
-        width *= sizes[b]
-    floats = (sizes[spec.state_axis] if spec.state_axis else 1) * \
-        sum(t.components for t in spec.states.values())
+    L, width = sizes[spec.time], _lane_width(spec, sizes)
     limit = min(L, max(1, L * width // CHUNKED_TARGET_THREADS))
     seg = 1
     while seg * 2 <= limit:
         seg *= 2
     seg = max(seg, CHUNKED_MIN_SEG)
-    while seg > 1 and seg * floats > CHUNKED_HISTORY_FLOATS:
+    while seg > 1 and seg * _state_floats(spec, sizes) > CHUNKED_HISTORY_FLOATS:
         seg //= 2
     return seg
 
 
-@dataclass(frozen=True)
-class Schedule:
-    seg: int
-    threads: int  # threads per group (TG)
-    groups_per_instance: int
-    lane_reduction: bool  # all lanes of an instance in one group
-    history: str  # "registers" | "scratch"
-    state_size: int  # NS (1 without a state axis)
-    kind: str = "sequential"  # | "chunked"
-
-    @property
-    def simdgroups(self) -> int:
-        return self.threads // 32
-
-    def template(self):
-        return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads)]
-
-
-def needs_lane_reduction(spec: Spec) -> bool:
-    return any(not t.has_lane for t in spec.inputs.values())
-
-
 def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
-                  shared_floats: int = 0, kind: str = "sequential") -> Schedule:
+                  kind: str = "sequential") -> Schedule:
     lanes = sizes[spec.lane]
     padded = -(-lanes // 32) * 32
     reduce = needs_lane_reduction(spec)
     if threads is not None:
         if not isinstance(threads, int) or threads < 32 or threads % 32 or threads > MAX_THREADS:
             raise ValueError(f"threads must be a multiple of 32 in [32, {MAX_THREADS}], got {threads!r}")
-    if reduce:
-        if padded > MAX_THREADS:
-            raise ValueError(
-                f"{spec.name}: lane axis {spec.lane} has size {lanes}; gradients of inputs without "
-                f"the lane axis are reduced over lanes inside one threadgroup, which holds at most "
-                f"{MAX_THREADS} threads. Split {spec.lane} across a batch axis, or use backend='mlx'.")
-        if threads is not None and threads != padded:
-            raise ValueError(f"{spec.name}: threads={threads} must equal the padded lane count "
-                             f"{padded}: this spec reduces gradients over all lanes of an instance")
-        tg = padded
+        tg = threads
+    elif reduce:
+        # as few groups as possible (each adds a partial sum), balanced to limit padding
+        groups = -(-padded // MAX_THREADS)
+        tg = -(-padded // groups // 32) * 32
     else:
-        tg = threads or min(padded, 256)
+        tg = min(padded, 256)
     groups = -(-padded // tg)
     ns = sizes[spec.state_axis] if spec.state_axis else 1
-    slots = sum(t.components for t in spec.states.values())
     # The chunked schedule launches a thread per segment, so a scratch buffer of one segment per
     # thread would hold the whole history: its recomputed segment stays in thread memory.
-    history = "registers" if kind == "chunked" or seg * ns * slots <= REGISTER_HISTORY_FLOATS \
-        else "scratch"
-    if shared_floats * (tg // 32) * 4 > MAX_SHARED_BYTES:
-        raise ValueError(f"{spec.name}: the in-kernel lane reduction needs "
-                         f"{shared_floats * (tg // 32) * 4} bytes of threadgroup memory "
-                         f"(> {MAX_SHARED_BYTES}); reduce the state size or the lane count")
-    return Schedule(seg=seg, threads=tg, groups_per_instance=groups, lane_reduction=reduce,
-                    history=history, state_size=ns, kind=kind)
+    history = ("registers" if kind == "chunked" or seg * history_rows(spec, ns) <= REGISTER_HISTORY_FLOATS
+               else "scratch")
+    sch = Schedule(seg=seg, threads=tg, groups_per_instance=groups, lane_reduction=reduce,
+                   history=history, state_size=ns, kind=kind)
+    vector, scalar, _ = lane_reduced_rows(spec, ns)
+    if vector * ns + scalar > sch.shared_rows:
+        # a state loop's rows in rounds of shared_rows // vector iterations; scalars after it
+        if max(vector, scalar) > sch.shared_rows:
+            raise ValueError(f"{spec.name}: {max(vector, scalar)} time-varying gradients reduced "
+                             f"over lanes exceed the {sch.shared_rows} rows of threadgroup "
+                             f"memory at {tg} threads per group; pass a smaller threads=")
+        sch = replace(sch, time_rounds=True)
+    return sch
 
 
 class MetaLayout:
-    """The runtime ``meta`` array: named int64 entries shared by the templates and the glue."""
+    """The runtime ``meta`` array: int64 entries shared by the templates and the glue.
+
+    ``keys`` lists them in order: the generated names ``L``, ``instances``, ``lanes``,
+    ``groups_per_instance``, ``segments``, then tuples for values tied to spec names:
+    ``("size", axis)``, ``("stride", tensor, axis)`` (``COMPONENT`` for a component axis) and
+    ``("d_stride", input, axis)`` (the lead axes of a gradient buffer, ``LANE_GROUPS`` for its
+    partial sums). The renderer spells the tuples through ``render.names``."""
+
+    GENERATED = ("L", "instances", "lanes", "groups_per_instance", "segments")
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        self.names = ["L", "instances", "lanes", "groups_per_instance", "segments"]
-        self.names += [f"size_{b}" for b in spec.batch_axes]
+        self.keys = list(self.GENERATED)
+        self.keys += [("size", b) for b in spec.batch_axes]
         self.tensor_axes = {}
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
-            self._add_tensor(t.name, t)
+            axes = list(t.batch_axes)
+            for a, present in ((spec.time, t.has_time), (spec.lane, t.has_lane),
+                               (spec.state_axis, t.has_state_axis),
+                               (COMPONENT, t.components > 1)):
+                if present:
+                    axes.append(a)
+            self.tensor_axes[t.name] = axes
+            self.keys += [("stride", t.name, a) for a in axes]
         # gradient buffers carry, in front of the input's own axes, the batch axes it lacks
+        # (and, in front of those, one partial sum per group when reduced over lanes)
         self.grad_axes = {t.name: [b for b in spec.batch_axes if b not in t.batch_axes]
                           for t in spec.inputs.values()}
-        for name, axes in self.grad_axes.items():
-            self.names += [f"d{name}_stride_{b}" for b in axes]
-        # the chunked backward writes one partial sum of a parameter's gradient per segment
-        self.names += [f"d{t.name}_stride_segment" for t in spec.inputs.values() if not t.has_time]
-        self.index = {n: i for i, n in enumerate(self.names)}
+        for t in spec.inputs.values():
+            self.keys += [("d_stride", t.name, b) for b in self.grad_axes[t.name]]
+            if not t.has_lane:
+                self.keys.append(("d_stride", t.name, LANE_GROUPS))
+            if not t.has_time:  # the chunked backward's one partial sum per segment
+                self.keys.append(("d_stride", t.name, SEGMENTS))
 
-    def grad_shape(self, t, sizes) -> tuple:
-        """Shape of the kernel's gradient buffer for input ``t`` (summed over the lead axes)."""
-        lead = tuple(sizes[b] for b in self.grad_axes[t.name])
-        return lead + tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
+    def grad_lead(self, t, sizes, schedule) -> tuple:
+        """The lead axes of the kernel's gradient buffer for input ``t``, summed after it:
+        segments (the chunked schedule's parameter gradients), lane groups, missing batch axes."""
+        segments = ((-(-sizes[self.spec.time] // schedule.seg),)
+                    if schedule.kind == "chunked" and not t.has_time else ())
+        groups = (schedule.groups_per_instance,) if schedule.lane_partials and not t.has_lane else ()
+        return segments + groups + tuple(sizes[b] for b in self.grad_axes[t.name])
 
-    def _add_tensor(self, key, t):
-        axes = list(t.batch_axes)
-        for a, present in ((self.spec.time, t.has_time), (self.spec.lane, t.has_lane),
-                           (self.spec.state_axis, t.has_state_axis), ("comp", t.components > 1)):
-            if present:
-                axes.append(a)
-        self.tensor_axes[key] = axes
-        self.names += [f"{key}_stride_{a}" for a in axes]
+    def grad_shape(self, t, sizes, schedule) -> tuple:
+        """Shape of the kernel's gradient buffer for input ``t``."""
+        return (self.grad_lead(t, sizes, schedule)
+                + tuple(a if isinstance(a, int) else sizes[a] for a in t.axes))
 
     def values(self, sizes: dict, schedule: Schedule) -> list:
         spec = self.spec
@@ -200,18 +276,22 @@ class MetaLayout:
         v = {"L": sizes[spec.time], "instances": instances, "lanes": sizes[spec.lane],
              "groups_per_instance": schedule.groups_per_instance,
              "segments": -(-sizes[spec.time] // schedule.seg)}
-        v.update({f"size_{b}": sizes[b] for b in spec.batch_axes})
+        v.update({("size", b): sizes[b] for b in spec.batch_axes})
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
             st = axis_strides(t, sizes)
             for a in self.tensor_axes[t.name]:
-                v[f"{t.name}_stride_{a}"] = st[a]
+                v[("stride", t.name, a)] = st[a]
         for t in spec.inputs.values():
             step = 1
             for a in t.axes:
                 step *= a if isinstance(a, int) else sizes[a]
             for b in reversed(self.grad_axes[t.name]):
-                v[f"d{t.name}_stride_{b}"] = step
+                v[("d_stride", t.name, b)] = step
                 step *= sizes[b]
+            if not t.has_lane:
+                v[("d_stride", t.name, LANE_GROUPS)] = step
+                if schedule.lane_partials:
+                    step *= schedule.groups_per_instance
             if not t.has_time:
-                v[f"d{t.name}_stride_segment"] = step
-        return [v[n] for n in self.names]
+                v[("d_stride", t.name, SEGMENTS)] = step
+        return [v[k] for k in self.keys]

@@ -31,24 +31,6 @@ from .functions import sigmoid, softplus
 # ---------------------------------------------------------------------------------------------
 
 
-# Identifiers the generated kernels use for their own variables, and C/Metal/CUDA keywords.
-RESERVED_NAMES = frozenset("""
-    t s n j row total sg tid group lane lane_ok instance instances lanes start stop segments
-    groups_per_instance meta scratch red history simd_lane simd_group NS SEG TG NSG OutT
-    TIME_ROWS PARAM_ROWS lanes_sum auto bool break case char const constant constexpr continue
-    default device do double else enum extern float for goto half if inline int kernel long
-    namespace register return short signed sizeof static struct switch template thread
-    threadgroup typedef union unsigned using void volatile while uint
-""".split())
-
-
-def _check_name(spec: str, name: str):
-    if name in RESERVED_NAMES or name.startswith(("d_", "recgen_", "acc_", "lam_")) or \
-            name.endswith(("_init", "_final", "_ckpt", "_base")) or "_stride_" in name:
-        raise SpecError(spec, f"tensor name '{name}' is reserved by the generated kernels; "
-                              "choose another name")
-
-
 def _parse_axes(spec: str, tensor: str, text) -> tuple:
     if not isinstance(text, str):
         raise SpecError(spec, f"tensor '{tensor}': axes must be a string like \"B L H P\", got {text!r}")
@@ -352,7 +334,6 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
                 raise SpecError(spec_name, f"'{tname}' is not a valid tensor name")
             if tname in seen:
                 raise SpecError(spec_name, f"tensor name '{tname}' is declared twice")
-            _check_name(spec_name, tname)
             seen.add(tname)
 
     raw = {}

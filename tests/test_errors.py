@@ -352,3 +352,16 @@ def test_other_malformed_specs():
         def br(h, a, x):
             h = a * h + x
             return {"y": 1 / 0}
+
+
+def test_tensor_names_must_be_identifiers():
+    with pytest.raises(rg.SpecError, match=r"spec 'bad': 'x-1' is not a valid tensor name"):
+        @rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", "x-1": "B L D"}))
+        def bad(h, a):
+            h = a * h
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'num': '1x' is not a valid tensor name"):
+        @rg.recurrence(**decl(SCALAR, outputs={"1x": "B L D"}))
+        def num(h, a, x):
+            h = a * h + x
+            return {"1x": h}

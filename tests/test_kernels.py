@@ -208,3 +208,153 @@ def test_padded_lanes_do_not_leak_into_lane_reductions(backend, schedule):
     assert rel_err(ky, ry) < 1e-5 and rel_err(kh, rh) < 1e-5
     for grad, ref in zip(kgrads, rgrads):
         assert rel_err(grad, ref) < 1e-5
+
+
+def _check_against_reference(rec, inputs, states, backend, tol=1e-5, **call):
+    """Outputs, final states and the gradients of every input and initial state (a weighted
+    loss over outputs and final states, through ``mx.grad``) on ``backend`` against
+    ``rec.reference``. Returns the backend's results, for bit-identity checks."""
+    names = list(rec.spec.states)
+    n_in = len(inputs)
+
+    def results(fn, args):
+        outs, fins = fn(*args[:n_in], initial_state=dict(zip(names, args[n_in:])),
+                        return_state=True)
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+        fins = [fins[k] for k in names] if isinstance(fins, dict) else [fins]
+        return outs + fins
+
+    def run(fn):
+        args = [*inputs, *states]
+        values = results(fn, args)
+        weights = [mx.random.normal(v.shape, key=mx.random.key(i)) for i, v in enumerate(values)]
+
+        def loss(*a):
+            return sum(mx.sum(v.astype(mx.float32) * w) for v, w in zip(results(fn, a), weights))
+
+        grads = mx.grad(loss, argnums=tuple(range(len(args))))(*args)
+        mx.eval(values, grads)
+        return values, list(grads)
+
+    ref_values, ref_grads = run(rec.reference)
+    values, grads = run(lambda *a, **kw: rec(*a, backend=backend, **call, **kw))
+    labels = [*rec.spec.outputs, *(f"final {s}" for s in names)]
+    for label, v, r in zip(labels, values, ref_values):
+        assert rel_err(v, r) < tol, label
+    labels = [*rec.spec.inputs, *(f"initial {s}" for s in names)]
+    for label, g, r in zip(labels, grads, ref_grads):
+        assert g.shape == r.shape, label
+        assert rel_err(g, r) < tol, f"gradient of {label}"
+    return values, grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("N, seg, history", [(3, 3, "registers"), (8, 16, "scratch")])
+def test_vector_state_beside_scalar_state(backend, N, seg, history):
+    """A scalar state checkpoints (and keeps in the recomputed segment) one row per lane, a
+    vector state NS rows."""
+    from mlx_recgen.schedule import make_schedule
+
+    @rg.recurrence(lane="P", state={"h": "B P N", "c": "B P"},
+                   inputs={"k": "B L N", "v": "B L P", "a": "B L P"}, outputs={"y": "B L P"})
+    def gated_memory(h, c, k, v, a, n):
+        h[n] = rg.sigmoid(a) * h[n] + k[n] * v
+        c = 0.5 * c + rg.tanh(rg.Sum(k[n] * h[n], n))
+        return {"y": c * v + rg.Sum(k[n] * h[n], n)}
+
+    b, L, P = 2, 20, 5
+    sch = make_schedule(gated_memory.spec, dict(B=b, L=L, P=P, N=N), seg)
+    assert sch.history == history
+    inputs = [mx.random.normal((b, L, N)) * 0.5, mx.random.normal((b, L, P)),
+              mx.random.normal((b, L, P))]
+    states = [mx.random.normal((b, P, N)) * 0.5, mx.random.normal((b, P))]
+    _check_against_reference(gated_memory, inputs, states, backend, seg=seg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_dimensional_parameter(backend):
+    """A 0-d input (declared with no axes) reaches the kernels as one element; its gradient is
+    reduced over lanes, batch and time and comes back 0-d."""
+
+    @rg.recurrence(lane="D", state={"h": "B D"}, inputs={"x": "B L D", "tau": ""},
+                   outputs={"y": "B L D"})
+    def leaky(h, x, tau):
+        h = rg.sigmoid(tau) * h + x
+        return {"y": rg.tanh(h) * tau}
+
+    b, L, D = 2, 9, 40  # two simdgroups per instance
+    inputs = [mx.random.normal((b, L, D)), mx.array(-0.7)]
+    _, grads = _check_against_reference(leaky, inputs, [mx.random.normal((b, D))], backend,
+                                        seg=4)
+    assert grads[1].shape == ()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("mlx"), *BACKENDS])
+def test_tensor_names_colliding_with_generated_identifiers(backend):
+    """Tensor and local names that generated code also uses (kernel variables, meta entries,
+    coordinates, C/Metal/CUDA and Python keywords, the MLX module), names whose readable
+    spelling another name's derived identifier takes (s_v: the value of s; j_shape: what MLX
+    calls the shape of buffer j) and a non-ASCII name."""
+
+    @rg.recurrence(lane="P", state={"s": "B P N"},
+                   inputs={"L": "B L N", "t": "B L P", "idx_B": "B L", "int": "N", "meta": "P"},
+                   outputs={"lambda": "B L P"})
+    def colliding_names_vector(s, L, t, idx_B, int, meta, i):
+        j = rg.Sum(L[i] * s[i], i)
+        s[i] = rg.sigmoid(idx_B) * s[i] + int[i] * rg.tanh(t - j) * L[i]
+        n = rg.Sum(L[i] * s[i], i)
+        return {"lambda": meta * n + j}
+
+    @rg.recurrence(lane="D", state={"n": "B D", "mx": "B D"},
+                   inputs={"j_shape": "B L D", "s": "B L D", "j": "B L", "size_B": "B D",
+                           "t": "", "s_v": "B L D", "λ": "B L D"},
+                   outputs={"L": "B L D"})
+    def colliding_names_scalar(n, mx, j_shape, s, j, size_B, t, s_v, λ):
+        n = rg.sigmoid(j) * n + s * size_B + 0.5 * j_shape * s_v
+        mx = 0.5 * mx + rg.tanh(n) * t + λ
+        return {"L": n * mx}
+
+    b, L, P, N, D = 2, 9, 5, 3, 6
+    vec = [mx.random.normal((b, L, N)) * 0.5, mx.random.normal((b, L, P)),
+           mx.random.normal((b, L)), mx.random.normal((N,)), mx.random.normal((P,))]
+    _check_against_reference(colliding_names_vector, vec, [mx.random.normal((b, P, N))],
+                             backend, seg=4)
+    scal = [mx.random.normal((b, L, D)), mx.random.normal((b, L, D)), mx.random.normal((b, L)),
+            mx.random.normal((b, D)), mx.array(0.8), mx.random.normal((b, L, D)),
+            mx.random.normal((b, L, D))]
+    _check_against_reference(colliding_names_scalar, scal,
+                             [mx.random.normal((b, D)), mx.random.normal((b, D))], backend, seg=4)
+
+
+# Lane reductions past one threadgroup and past its memory: (spec, sizes, seg, threads, what the
+# schedule must do). gla with 1056 lanes: two groups, each writing a partial sum. ssd with
+# N = 300 on 1024 lanes: 601 rows per step exceed the 256 rows of 32 KiB at 32 simdgroups, so
+# dB and dC are reduced in three rounds of the state loop and dA in two. ssd with 1056 lanes:
+# both. gla with threads=32: partial sums chosen by the caller.
+LARGE_REDUCTIONS = [
+    ("gla", dict(b=1, L=3, H=1, K=2, V=1056), 2, None, dict(groups_per_instance=2)),
+    ("ssd", dict(b=1, L=3, H=1, P=1024, N=300), 2, None,
+     dict(groups_per_instance=1, time_rounds=True)),
+    ("ssd", dict(b=2, L=3, H=1, P=1056, N=300), 2, None,
+     dict(groups_per_instance=2, time_rounds=True)),
+    ("gla", dict(b=2, L=5, H=2, K=3, V=40), 2, 32, dict(groups_per_instance=2)),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", LARGE_REDUCTIONS, ids=lambda c: _ids(c[:3]) + f"-tg{c[3]}")
+def test_lane_reductions_across_groups_and_in_rounds(backend, case):
+    from mlx_recgen.schedule import make_schedule
+
+    spec, sizes, seg, threads, expect = case
+    rec = rg.load_spec(spec)
+    axes = {"b": "B", "L": "L", "H": "H", "P": "P", "N": "N", "K": "K", "V": "V"}
+    sch = make_schedule(rec.spec, {axes[k]: v for k, v in sizes.items()}, seg, threads)
+    for field, value in expect.items():
+        assert getattr(sch, field) == value, field
+    inputs, h0 = INPUTS[spec](**sizes)
+    call = dict(seg=seg) if threads is None else dict(seg=seg, threads=threads)
+    first = _check_against_reference(rec, inputs, [h0], backend, **call)
+    second = _check_against_reference(rec, inputs, [h0], backend, **call)
+    for a, b in zip([*first[0], *first[1]], [*second[0], *second[1]]):
+        assert mx.array_equal(a, b).item()

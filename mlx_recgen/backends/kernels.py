@@ -16,11 +16,13 @@ Chunked schedule (three kernels per pass, ``render/chunked.py``):
   summary:  inputs..., meta  ->  <state>_local..., prod<b>...
   carry:    <state>_init..., <state>_local..., prod<b>..., meta  ->  <state>_final..., <state>_ckpt...
   outputs:  inputs..., <state>_ckpt..., meta  ->  outputs...
-  residuals of the forward: <state>_ckpt..., prod<b>...
-
+  (the forward's residuals: <state>_ckpt..., prod<b>...)
   local adjoints: inputs..., <state>_ckpt..., d_<output>..., meta  ->  <state>_local...
-  carry:    d_<state>_final..., <state>_local..., prod<b>..., meta  ->  d_<state>_init..., <state>_lamend...
+  carry:    d_<state>_final..., <state>_local..., prod<b>..., meta
+            ->  d_<state>_init..., <state>_lamend...
   gradients: inputs..., <state>_ckpt..., d_<output>..., <state>_lamend..., meta  ->  d_<input>...
+
+Buffer names are spelled through ``render.names`` (``u_`` + the spec's name).
 """
 
 from __future__ import annotations
@@ -30,14 +32,21 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..layout import declared_shape
-from ..render.dialects import DIALECTS
 from ..render.chunked import ChunkedRenderer
+from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
-from ..schedule import MetaLayout, make_schedule
+from ..render.names import kernel_identifiers, kernel_name
+from ..schedule import MetaLayout, history_rows, make_schedule
 
 
 def _dtype_name(d) -> str:
     return str(d).replace("mlx.core.", "")
+
+
+def _as_buffer(x):
+    """MLX passes a 0-d input as a reference (``const constant T&``), which the kernels cannot
+    index; pass it as shape (1,) instead (same element, same address space)."""
+    return mx.reshape(x, (1,)) if x.ndim == 0 else x
 
 
 def kernel_factory(backend: str):
@@ -72,51 +81,62 @@ class KernelBackend:
         self.rec, self.name = rec, backend
         self.dialect = DIALECTS[backend]
         self.meta = MetaLayout(rec.spec)
+        self.ids = kernel_identifiers(rec, self.meta)
         self._factory = None
         self._kernels = {}
 
     # -- names -----------------------------------------------------------------------------------
     def buffers(self, kind, schedule) -> _Buffers:
         """Input and output buffer names of a kernel (see the module docstring)."""
-        s = self.rec.spec
-        states = list(s.states)
-        local = [f"{t}_local" for t in states]
-        ckpt = [f"{t}_ckpt" for t in states]
-        prods = [ChunkedRenderer.product_buffer(b) for b in range(len(self.rec.affine.blocks))]
-        d_outs = [f"d_{t}" for t in s.outputs]
-        chunked = {
-            "summary": ([*s.inputs, "meta"], [*local, *prods]),
-            "carry": ([*(f"{t}_init" for t in states), *local, *prods, "meta"],
-                      [*(f"{t}_final" for t in states), *ckpt]),
-            "outputs": ([*s.inputs, *ckpt, "meta"], list(s.outputs)),
-            "local_adjoint": ([*s.inputs, *ckpt, *d_outs, "meta"], local),
-            "adjoint_carry": ([*(f"d_{t}_final" for t in states), *local, *prods, "meta"],
-                              [*(f"d_{t}_init" for t in states), *(f"{t}_lamend" for t in states)]),
-            "gradients": ([*s.inputs, *ckpt, *d_outs, *(f"{t}_lamend" for t in states), "meta"],
-                          [f"d_{t}" for t in s.inputs]),
-        }
-        if kind in chunked:
-            return _Buffers(*chunked[kind])
+        s, ids = self.rec.spec, self.ids
+        if schedule.kind == "chunked":
+            return self._chunked_buffers(kind)
         if kind == "forward":
-            return _Buffers([*s.inputs, *(f"{t}_init" for t in s.states), "meta"],
-                            [*s.outputs, *(f"{t}_final" for t in s.states),
-                             *(f"{t}_ckpt" for t in s.states)])
-        outs = [*(f"d_{t}" for t in s.inputs), *(f"d_{t}_init" for t in s.states)]
+            return _Buffers([*(ids["buffer", t] for t in s.inputs),
+                             *(ids["init", t] for t in s.states), "meta"],
+                            [*(ids["buffer", t] for t in s.outputs),
+                             *(ids["final", t] for t in s.states),
+                             *(ids["ckpt", t] for t in s.states)])
+        outs = [*(ids["d", t] for t in s.inputs), *(ids["d_init", t] for t in s.states)]
         if schedule.history == "scratch":
             outs.append("scratch")
-        return _Buffers([*s.inputs, *(f"{t}_ckpt" for t in s.states), *(f"d_{t}" for t in s.outputs),
-                         *(f"d_{t}_final" for t in s.states), "meta"], outs)
+        return _Buffers([*(ids["buffer", t] for t in s.inputs), *(ids["ckpt", t] for t in s.states),
+                         *(ids["d", t] for t in s.outputs), *(ids["d_final", t] for t in s.states),
+                         "meta"], outs)
+
+    def _chunked_buffers(self, kind) -> _Buffers:
+        s, ids = self.rec.spec, self.ids
+        inputs = [ids["buffer", t] for t in s.inputs]
+        local = [ids["local", t] for t in s.states]
+        ckpt = [ids["ckpt", t] for t in s.states]
+        prods = [ChunkedRenderer.product_buffer(b) for b in range(len(self.rec.affine.blocks))]
+        d_outs = [ids["d", t] for t in s.outputs]
+        lamend = [ids["lamend", t] for t in s.states]
+        table = {
+            "summary": ([*inputs, "meta"], [*local, *prods]),
+            "carry": ([*(ids["init", t] for t in s.states), *local, *prods, "meta"],
+                      [*(ids["final", t] for t in s.states), *ckpt]),
+            "outputs": ([*inputs, *ckpt, "meta"], [ids["buffer", t] for t in s.outputs]),
+            "local_adjoint": ([*inputs, *ckpt, *d_outs, "meta"], local),
+            "adjoint_carry": ([*(ids["d_final", t] for t in s.states), *local, *prods, "meta"],
+                              [*(ids["d_init", t] for t in s.states), *lamend]),
+            "gradients": ([*inputs, *ckpt, *d_outs, *lamend, "meta"],
+                          [ids["d", t] for t in s.inputs]),
+        }
+        if kind not in table:
+            raise ValueError(f"the chunked schedule's kernels are {CHUNKED_KERNELS}, got {kind!r}")
+        return _Buffers(*table[kind])
 
     def render(self, kind, schedule, dtypes_text):
         """(body, header) of a kernel."""
         if schedule.kind == "chunked":
-            r = ChunkedRenderer(self.rec, self.dialect, schedule)
+            r = ChunkedRenderer(self.rec, self.dialect, schedule, self.ids)
             body = {"summary": r.summary, "carry": lambda: r.carry(reverse=False),
                     "outputs": r.forward, "local_adjoint": lambda: r.backward(lambda_only=True),
                     "adjoint_carry": lambda: r.carry(reverse=True),
                     "gradients": r.backward}[kind]()
         else:
-            r = KernelRenderer(self.rec, self.dialect, schedule)
+            r = KernelRenderer(self.rec, self.dialect, schedule, self.ids)
             body = r.forward() if kind == "forward" else r.backward()
         return body, r.header(kind, dtypes_text)
 
@@ -128,16 +148,13 @@ class KernelBackend:
             body, header = self.render(kind, schedule, dtypes_text)
             names = self.buffers(kind, schedule)
             self._kernels[key] = self._factory(
-                name=f"recgen_{self.rec.spec.name}_{kind}", input_names=names.inputs,
+                name=kernel_name(self.rec.spec.name, kind), input_names=names.inputs,
                 output_names=names.outputs, source=body, header=header)
         return self._kernels[key]
 
     # -- shapes ----------------------------------------------------------------------------------
     def _schedule(self, sizes, seg, threads, kind="sequential"):
-        spec = self.rec.spec
-        rows = sum((sizes[spec.state_axis] if t.has_state_axis else 1) * t.components
-                   for t in spec.inputs.values() if not t.has_lane)
-        return make_schedule(spec, sizes, seg, threads, shared_floats=rows, kind=kind)
+        return make_schedule(self.rec.spec, sizes, seg, threads, kind=kind)
 
     def _launch(self, sizes, schedule, outer=1):
         """(instances, grid, threadgroup): one thread per (instance, lane), times ``outer`` for
@@ -156,9 +173,11 @@ class KernelBackend:
         return mx.array(self.meta.values(sizes, schedule), dtype=mx.int64)
 
     def _ckpt_shape(self, t, sizes, schedule, instances):
+        """(segments, instances, components, rows, lanes): NS rows for a vector state, one for a
+        scalar state."""
         segments = -(-sizes[self.rec.spec.time] // schedule.seg)
-        width = schedule.state_size if t.has_state_axis else 1
-        return (segments, instances, t.components, width, sizes[self.rec.spec.lane])
+        rows = schedule.state_size if t.has_state_axis else 1
+        return (segments, instances, t.components, rows, sizes[self.rec.spec.lane])
 
     def _state_buffer_shapes(self, sizes, schedule, instances):
         return [self._ckpt_shape(t, sizes, schedule, instances) for t in self.rec.spec.states.values()]
@@ -176,9 +195,10 @@ class KernelBackend:
                 + self._product_shapes(sizes, sch, instances))
 
     def _run(self, kind, sch, sizes, inputs, shapes, dtypes, dtypes_text, template=()):
+        """Launch one kernel of the chunked schedule."""
         outer = sch.state_size if kind in ("carry", "adjoint_carry") else \
             -(-sizes[self.rec.spec.time] // sch.seg)
-        instances, grid, group = self._launch(sizes, sch, outer=outer)
+        _, grid, group = self._launch(sizes, sch, outer=outer)
         kernel = self.kernel(kind, sch, dtypes_text)
         return kernel(inputs=[*inputs, self._meta(sizes, sch)],
                       template=[*sch.template(), *template], grid=grid, threadgroup=group,
@@ -193,6 +213,7 @@ class KernelBackend:
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
         kernel = self.kernel("forward", sch, dtypes)
+        inputs = [_as_buffer(x) for x in inputs]
         shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
         shapes += [declared_shape(t, sizes) for t in spec.states.values()]
         shapes += [self._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
@@ -214,27 +235,26 @@ class KernelBackend:
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         kernel = self.kernel("backward", sch, dtypes)
-        shapes = [self.meta.grad_shape(t, sizes) for t in spec.inputs.values()]
+        shapes = [self.meta.grad_shape(t, sizes, sch) for t in spec.inputs.values()]
         shapes += [declared_shape(t, sizes) for t in spec.states.values()]
         if sch.history == "scratch":
-            slots = sum(t.components for t in spec.states.values())
-            shapes.append((sch.seg * slots * sch.state_size * instances * sch.groups_per_instance
-                           * sch.threads,))
-        results = kernel(inputs=[*inputs, *residuals, *d_outputs,
+            shapes.append((sch.seg * history_rows(spec, sch.state_size) * instances
+                           * sch.groups_per_instance * sch.threads,))
+        results = kernel(inputs=[*map(_as_buffer, inputs), *residuals, *d_outputs,
                                  *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
                          template=sch.template(), grid=grid, threadgroup=group,
                          output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes))
         n_in = len(spec.inputs)
-        grads = self._finish_grads(inputs, results[:n_in])
+        grads = self._finish_grads(inputs, results[:n_in], sizes, sch)
         d_init = [g.astype(x.dtype) for g, x in zip(results[n_in:n_in + len(spec.states)], states)]
         return grads, d_init
 
-    def _finish_grads(self, inputs, results):
-        """Sum the kernel's gradient buffers over their leading axes (batch axes the input
-        lacks; segments, for the chunked schedule's parameter gradients) in a fixed order."""
+    def _finish_grads(self, inputs, results, sizes, sch):
+        """Sum the gradient buffers' lead axes — per-segment partial sums (chunked), lane
+        groups, batch axes the input lacks — with a deterministic MLX sum."""
         grads = []
         for t, x, g in zip(self.rec.spec.inputs.values(), inputs, results):
-            lead = g.ndim - len(t.axes)
+            lead = len(self.meta.grad_lead(t, sizes, sch))
             if lead:
                 g = mx.sum(g, axis=tuple(range(lead)))
             grads.append(g.astype(x.dtype))
@@ -246,6 +266,7 @@ class KernelBackend:
         sch = self._schedule(sizes, seg, threads, kind="chunked")
         instances = self._launch(sizes, sch)[0]
         in_dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs)
+        inputs = [_as_buffer(x) for x in inputs]
         n_state = len(spec.states)
         per_state = self._state_buffer_shapes(sizes, sch, instances)
         prods = self._product_shapes(sizes, sch, instances)
@@ -253,10 +274,9 @@ class KernelBackend:
         summary = self._run("summary", sch, sizes, inputs, per_state + prods,
                             [f32] * (n_state + len(prods)), in_dtypes)
         local, prod = list(summary[:n_state]), list(summary[n_state:])
-        state_shapes = [declared_shape(t, sizes) for t in spec.states.values()]
         carried = self._run("carry", sch, sizes, [*states, *local, *prod],
-                            state_shapes + per_state, [f32] * (2 * n_state),
-                            ", ".join(_dtype_name(x.dtype) for x in states))
+                            [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
+                            [f32] * (2 * n_state), ", ".join(_dtype_name(x.dtype) for x in states))
         finals, ckpts = list(carried[:n_state]), list(carried[n_state:])
         outs = self._run("outputs", sch, sizes, [*inputs, *ckpts],
                          [declared_shape(t, sizes) for t in spec.outputs.values()],
@@ -273,20 +293,19 @@ class KernelBackend:
         ckpts, prods = residuals[:n_state], residuals[n_state:]
         per_state = self._state_buffer_shapes(sizes, sch, instances)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+        buffers = [_as_buffer(x) for x in inputs]
         f32 = mx.float32
-        local = self._run("local_adjoint", sch, sizes, [*inputs, *ckpts, *d_outputs], per_state,
+        local = self._run("local_adjoint", sch, sizes, [*buffers, *ckpts, *d_outputs], per_state,
                           [f32] * n_state, dtypes)
         carried = self._run("adjoint_carry", sch, sizes,
                             [*[g.astype(f32) for g in d_finals], *local, *prods],
                             [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
                             [f32] * (2 * n_state), "float32")
         d_init, lam_end = carried[:n_state], list(carried[n_state:])
-        segments = -(-sizes[spec.time] // sch.seg)
-        shapes = [((segments,) if not t.has_time else ()) + self.meta.grad_shape(t, sizes)
-                  for t in spec.inputs.values()]
-        results = self._run("gradients", sch, sizes, [*inputs, *ckpts, *d_outputs, *lam_end],
+        shapes = [self.meta.grad_shape(t, sizes, sch) for t in spec.inputs.values()]
+        results = self._run("gradients", sch, sizes, [*buffers, *ckpts, *d_outputs, *lam_end],
                             shapes, [f32] * len(shapes), dtypes)
-        grads = self._finish_grads(inputs, results)
+        grads = self._finish_grads(inputs, results, sizes, sch)
         return grads, [g.astype(x.dtype) for g, x in zip(d_init, states)]
 
 
@@ -295,6 +314,11 @@ class _ArrayInfo:
 
     def __init__(self, dtype, ndim, size=1 << 20):
         self.dtype, self.ndim, self.size = dtype, ndim, size
+
+
+def _input_info(dtype, t):
+    """An input as the kernel receives it (a 0-d input as shape (1,), see ``_as_buffer``)."""
+    return _ArrayInfo(dtype, len(t.axes)) if t.axes else _ArrayInfo(dtype, 1, 1)
 
 
 SEQUENTIAL_KERNELS = ("forward", "backward")
@@ -325,26 +349,32 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
     impl = KernelBackend(rec, backend)
     sch = impl._schedule(sizes, seg, threads, kind=schedule)
     names = impl.buffers(kind, sch)
+    ids = impl.ids
+    by_name = {ids["buffer", t.name]: t for t in spec.inputs.values()}
+    d_outputs = {ids["d", t.name]: t for t in spec.outputs.values()}
+    whole_states = {ids[role, t.name]: t for t in spec.states.values()
+                    for role in ("init", "d_final")}
 
     def info(name):  # what MLX sees of each input buffer: dtype and rank
         if name == "meta":
-            return _ArrayInfo(mx.int64, 1, len(impl.meta.names))
-        if name in spec.inputs:
-            return _ArrayInfo(dtype, len(spec.inputs[name].axes))
-        if name.startswith("d_") and name[2:] in spec.outputs:
-            return _ArrayInfo(dtype, len(spec.outputs[name[2:]].axes))
-        state = next((t for t in spec.states.values()
-                      if name in (f"{t.name}_init", f"d_{t.name}_final")), None)
-        return _ArrayInfo(mx.float32, len(state.axes) if state else 5)
+            return _ArrayInfo(mx.int64, 1, len(impl.meta.keys))
+        if name in by_name:
+            return _input_info(dtype, by_name[name])
+        if name in d_outputs:
+            return _ArrayInfo(dtype, len(d_outputs[name].axes))
+        if name in whole_states:
+            return _ArrayInfo(mx.float32, len(whole_states[name].axes))
+        return _ArrayInfo(mx.float32, 5)  # one state per segment, or segment products
 
     infos = [info(n) for n in names.inputs]
-    out_dtypes = [dtype if n in spec.outputs else mx.float32 for n in names.outputs]
+    outputs = {ids["buffer", t] for t in spec.outputs}
+    out_dtypes = [dtype if n in outputs else mx.float32 for n in names.outputs]
     template = sch.template()
     if kind in ("forward", "outputs"):
         template = [*template, ("OutT", dtype)]
     dtypes_text = ", ".join(_dtype_name(i.dtype) for i in infos[:-1])
     body, header = impl.render(kind, sch, dtypes_text)
     build = cuda_source if backend == "cuda" else metal_source
-    _, text = build(f"recgen_{spec.name}_{kind}", names.inputs, names.outputs, body, header,
+    _, text = build(kernel_name(spec.name, kind), names.inputs, names.outputs, body, header,
                     infos, out_dtypes, template)
     return text

@@ -4,12 +4,13 @@ Six kernels, three per pass, all from the IR's affine analysis (``affine.py``):
 
 forward   summary   one thread per (segment, instance, lane): the segment's local end state
                     from a zero state and its composed multiplier ``P`` (``chunked_summary.j2``)
-          carry     one thread per (instance, lane): ``h <- P h + local`` over segments, writing
-                    the checkpoints and the final state (``chunked_carry.j2``)
+          carry     one thread per (state element, instance, lane): ``h <- P h + local`` over
+                    segments, writing the checkpoints and the final state (``chunked_carry.j2``)
           outputs   one thread per (segment, instance, lane): the forward step from the
                     segment's checkpoint, writing outputs (``forward.j2``, segment mode)
-backward  summary   per segment: recompute from the checkpoint, sweep ``λ`` from zero with the
-                    adjoint's ``λ`` statements only (``backward.j2``, segment and λ-only mode)
+backward  summary   per segment: sweep ``λ`` from zero with the adjoint's ``λ`` statements only,
+                    recomputing the segment only if they read the state (``backward.j2``,
+                    segment and λ-only mode)
           carry     ``λ <- Pᵀ λ + local`` over segments, newest first, writing the adjoint at
                     every segment's end and the initial state's gradient (``chunked_carry.j2``)
           gradients per segment: the full adjoint sweep from the segment's end adjoint, writing
@@ -31,51 +32,62 @@ from .kernels import KernelRenderer, StepWriter, environment
 class ChunkedRenderer(KernelRenderer):
     """Template contexts of the chunked schedule's kernels."""
 
-    def __init__(self, rec, dialect, schedule):
-        super().__init__(rec, dialect, schedule)
+    def __init__(self, rec, dialect, schedule, ids=None):
+        super().__init__(rec, dialect, schedule, ids)
         self.form = rec.affine
         self.products = product_entries(rec.ir, self.form)
+        for p in self.products:  # product registers are state-like: spelled as states are
+            self.names.ids.add(("state", p.symbol), f"{p.symbol}_s")
 
     def _common(self, kind):
         ctx = super()._common(kind)
         ctx["segment_in_grid"] = kind != "carry"
         # the carry is independent per state element: one thread per element, not per segment
         ctx["outer"] = "element" if kind == "carry" else "segment"
+        nm = self.names
+        tensors = [t for t in self.spec.states.values() for _ in range(t.components)]
+        for st, t in zip(ctx["states"], tensors):
+            st.update(local=nm[("local", t.name)], lamend=nm[("lamend", t.name)],
+                      d_init=nm[("d_init", t.name)], d_final=nm[("d_final", t.name)])
         return ctx
 
-    # -- names of the per-segment buffers ------------------------------------------------------
+    # -- the composed multipliers ----------------------------------------------------------------
     @staticmethod
     def product_buffer(block: int) -> str:
         return f"prod{block}"
 
-    def _product_offset(self, p, entries: int) -> str:
-        n = "n" if p.pointwise else "0"
-        width = "NS" if p.pointwise else "1"
+    @staticmethod
+    def _product_offset(p, entries: int) -> str:
+        n, width = ("n", "NS") if p.pointwise else ("0", "1")
         e = p.row * entries + p.col
         return (f"(((s * instances + instance) * {entries * entries} + {e}) * {width} + {n}) "
                 f"* lanes + lane")
 
     def _products_ctx(self):
-        out = []
-        for p in self.products:
-            block = self.form.blocks[p.block]
-            out.append(dict(sym=str(p.symbol), pointwise=p.pointwise, identity="1.0f" if p.row == p.col
-                            else "0.0f", buffer=self.product_buffer(p.block),
-                            offset=self._product_offset(p, block.size)))
-        return out
+        return [dict(reg=self.names[("state", p.symbol)], pointwise=p.pointwise,
+                     identity="1.0f" if p.row == p.col else "0.0f",
+                     buffer=self.product_buffer(p.block),
+                     offset=self._product_offset(p, self.form.blocks[p.block].size))
+                for p in self.products]
 
     # -- forward -------------------------------------------------------------------------------
     def summary(self):
         """Forward phase 1: local end state and composed multiplier of every segment."""
-        spec = self.spec
+        spec, nm = self.spec, self.names
         program = summary_program(self.rec.ir, self.form, self.products)
-        writer = StepWriter(self.rec, self.d)
-        symbols = {**spec.symbols, **{p.slot: p.symbol for p in self.products}}
+        writer = StepWriter(self.rec, self.d, nm)
+        regs = {s: nm[("state", sym)] for s, sym in spec.symbols.items() if s.tensor in spec.states}
         for p in self.products:
-            writer.names[p.symbol] = f"{p.symbol}_s[n]" if p.pointwise else f"{p.symbol}_s"
+            regs[p.slot] = nm[("state", p.symbol)]
+            writer.names[p.symbol] = regs[p.slot] + ("[n]" if p.pointwise else "")
+        for st in program.statements:  # temporaries of the summary step
+            for b in getattr(st, "body", [st]):
+                target = getattr(b, "target", None)
+                if target is not None and target not in writer.names:
+                    writer.names[target] = nm.ids.add(("sym", target), str(target))
 
         def route(store, value, in_loop, pad):
-            return [], [f"{pad}{symbols[store.slot]}_s{'[n]' if in_loop else ''} = {value};"]
+            return [], [f"{pad}{regs[store.slot]}{'[n]' if in_loop else ''} = {value};"]
 
         ctx = self._common("summary")
         ctx.update(loads=writer.step_loads(program, "    "),
@@ -86,12 +98,12 @@ class ChunkedRenderer(KernelRenderer):
     def carry(self, reverse: bool):
         """Phase 2 of either pass: the carry over segments. Forward: ``h <- P h + local``,
         oldest segment first; backward (``reverse``): ``λ <- Pᵀ λ + local``, newest first."""
-        spec = self.spec
+        spec, nm = self.spec, self.names
         updates = []
         for b, block in enumerate(self.form.blocks):
-            syms = [spec.symbols[s] for s in block.slots]
+            regs = [nm[("state", spec.symbols[s])] for s in block.slots]
             tensors = [spec.states[s.tensor] for s in block.slots]  # a block may span tensors
-            lines = [f"const float old_{i} = {syms[i]}_s;" for i in range(block.size)]
+            lines = [f"const float old_{i} = {regs[i]};" for i in range(block.size)]
             for p in self.products:
                 if p.block == b:
                     lines.append(f"const float p_{p.row}{p.col} = {self.product_buffer(b)}"
@@ -100,18 +112,16 @@ class ChunkedRenderer(KernelRenderer):
                 terms = [f"p_{j}{i} * old_{j}" if reverse else f"p_{i}{j} * old_{j}"
                          for j in range(block.size)]
                 t, c = tensors[i], block.slots[i].component
-                local = f"{t.name}_local[{self.ckpt_offset(t, c)}]"
-                lines.append(f"{syms[i]}_s = {' + '.join(terms)} + {local};")
+                local = f"{nm[('local', t.name)]}[{self.ckpt_offset(t, c)}]"
+                lines.append(f"{regs[i]} = {' + '.join(terms)} + {local};")
             guard = "vector_ok" if block.vector else "scalar_ok"
             updates += [f"    if ({guard}) {{", *("      " + x for x in lines), "    }"]
         ctx = self._common("carry")
-        names = [(t.name, f"d_{t.name}_final" if reverse else f"{t.name}_init",
-                  f"{t.name}_lamend" if reverse else f"{t.name}_ckpt",
-                  f"d_{t.name}_init" if reverse else f"{t.name}_final") for t in spec.states.values()]
-        buffers = {tensor: dict(first=first, boundary=boundary, last=last)
-                   for tensor, first, boundary, last in names}
         for st in ctx["states"]:
-            st.update(buffers[st["tensor"]])
+            if reverse:
+                st.update(first=st["d_final"], boundary=st["lamend"], last=st["d_init"])
+            else:
+                st.update(first=st["init"], boundary=st["ckpt_buffer"], last=st["final"])
         ctx.update(updates=updates, reverse=reverse)
         return environment().get_template("chunked_carry.j2").render(**ctx)
 

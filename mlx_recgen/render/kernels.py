@@ -12,16 +12,18 @@ checkpoints and the threadgroup stage of lane reductions. Target differences com
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jinja2
 
 from ..ir import Accumulate, Assign, Loop, Program, Store, free_symbols
 from ..resources import templates_dir
-from ..schedule import MetaLayout, Schedule
+from ..schedule import (COMPONENT, LANE_GROUPS, MAX_SHARED_BYTES, MAX_SHARED_FLOATS, SEGMENTS,
+                        MetaLayout, Schedule)
 from ..spec import Slot
 from .dialects import Dialect
 from .expr import CPrinter
+from .names import PREFIX, kernel_identifiers, program_symbols
 
 _env = None
 
@@ -37,54 +39,75 @@ def environment() -> jinja2.Environment:
 
 @dataclass
 class SharedSlot:
-    """A gradient reduced over the lanes of an instance: its rows in the reduction buffer."""
+    """A gradient reduced over the lanes of a threadgroup: its rows in the reduction buffer."""
 
     offset: str  # first row, as a C constant expression
     size: str  # "NS" or "1"
     target: str  # C lvalue: the buffer element for row ``n`` (``n`` in scope)
 
 
-@dataclass
+class Names:
+    """The spelling of every spec-derived identifier of one recurrence's kernels, with the
+    composite expressions (tensor offsets) built from them."""
+
+    def __init__(self, rec, meta: MetaLayout, ids=None):
+        self.spec, self.meta = rec.spec, meta
+        self.ids = ids if ids is not None else kernel_identifiers(rec, meta)
+
+    def __getitem__(self, key) -> str:
+        return self.ids[key]
+
+    def meta_entry(self, key) -> str:
+        return key if isinstance(key, str) else self.ids[key]
+
+    def stride(self, t, axis) -> str:
+        return self.ids[("stride", t.name, axis)]
+
+    def terms(self, t, component=0, time=False, n=False) -> str:
+        """`` + c * <comp stride>``, `` + t * <time stride>``, `` + n * <state stride>`` as
+        asked for (the component term only where the tensor has components)."""
+        out = f" + t * {self.stride(t, self.spec.time)}" if time else ""
+        if t.components > 1:
+            out += f" + {component} * {self.stride(t, COMPONENT)}"
+        if n:
+            out += f" + n * {self.stride(t, self.spec.state_axis)}"
+        return out
+
+
 class StepWriter:
     """C statements for one step program, with loads and store routing."""
 
-    rec: object
-    dialect: Dialect
-    pad: str = "    "
-    shared_time: list = field(default_factory=list)
-    shared_param: list = field(default_factory=list)
-    accumulators: list = field(default_factory=list)  # (name, size, input tensor, component)
-
-    def __post_init__(self):
-        spec = self.rec.spec
-        self.names = {}
+    def __init__(self, rec, dialect: Dialect, names: Names):
+        spec = rec.spec
+        self.rec, self.dialect, self.ids = rec, dialect, names
+        self.names = {}  # symbol -> the C expression of its value
         self.vector_inputs = {}
         self.scalar_loads = {}
         for slot, sym in spec.symbols.items():
             t = spec.tensors[slot.tensor]
-            comp = f" + {slot.component} * {t.name}_stride_comp" if t.components > 1 else ""
             if t.kind == "state":
-                self.names[sym] = f"{sym}_s[n]" if t.has_state_axis else f"{sym}_s"
+                reg = names[("state", sym)]
+                self.names[sym] = f"{reg}[n]" if t.has_state_axis else reg
                 continue
-            time = f" + t * {t.name}_stride_{spec.time}" if t.has_time else ""
+            self.names[sym] = names[("value", sym)]
+            buf, base = names[("buffer", t.name)], names[("base", t.name)]
+            offset = names.terms(t, slot.component, time=t.has_time, n=t.has_state_axis)
             guard = "lane_ok" if t.has_lane else None
-            if t.has_state_axis:
-                self.names[sym] = f"{sym}_v"
-                self.vector_inputs[sym] = (f"{t.name}[{t.name}_base{time}{comp} + n * "
-                                           f"{t.name}_stride_{spec.state_axis}]", guard)
-            else:
-                self.names[sym] = f"{sym}_v"
-                self.scalar_loads[sym] = (f"{t.name}[{t.name}_base{time}{comp}]", guard)
-        adj = self.rec.adjoint
+            loads = self.vector_inputs if t.has_state_axis else self.scalar_loads
+            loads[sym] = (f"{buf}[{base}{offset}]", guard)
+        adj = rec.adjoint
         for slot, sym in adj.state_cotangents.items():
             t = spec.states[slot.tensor]
-            self.names[sym] = f"{sym}[n]" if t.has_state_axis else str(sym)
+            self.names[sym] = names[("sym", sym)] + ("[n]" if t.has_state_axis else "")
         for slot, sym in adj.output_cotangents.items():
             t = spec.outputs[slot.tensor]
-            comp = f" + {slot.component} * {t.name}_stride_comp" if t.components > 1 else ""
-            self.names[sym] = f"{sym}_v"
-            self.scalar_loads[sym] = (f"d_{t.name}[{t.name}_base + t * {t.name}_stride_{spec.time}"
-                                      f"{comp}]", "lane_ok")
+            self.names[sym] = names[("value", sym)]
+            offset = names.terms(t, slot.component, time=True)
+            self.scalar_loads[sym] = (f"{names[('d', t.name)]}[{names[('base', t.name)]}{offset}]",
+                                      "lane_ok")
+        for sym in program_symbols(rec.forward_program) | program_symbols(adj.program):
+            if sym not in self.names:  # temporaries, reductions, accumulators
+                self.names[sym] = names[("sym", sym)]
         self.printer = CPrinter(self.names, self.dialect)
 
     # -- loads ---------------------------------------------------------------------------------
@@ -100,19 +123,20 @@ class StepWriter:
                 for s in sorted(free, key=str) if s in self.scalar_loads]
 
     # -- statements ----------------------------------------------------------------------------
-    def program(self, program: Program, route, pad: str) -> list:
+    def program(self, program: Program, route, pad: str, loop_end=None) -> list:
         """C lines of a program; ``route(store, value, in_loop, pad)`` gives the lines that use a
         stored value now and those deferred to the end of the step (or of the loop iteration):
-        a new state or adjoint is committed only after every read of the old one."""
+        a new state or adjoint is committed only after every read of the old one.
+        ``loop_end(loop, pad)`` gives lines that close each loop iteration."""
         lines, deferred = [], []
         stores = itertools.count()
 
         def emit(stmt, pad, in_loop, out, later):
             expr = self.printer(stmt.expr)
             if isinstance(stmt, Assign):
-                out.append(f"{pad}const float {stmt.target} = {expr};")
+                out.append(f"{pad}const float {self.names[stmt.target]} = {expr};")
             elif isinstance(stmt, Accumulate):
-                out.append(f"{pad}{stmt.target} += {expr};")
+                out.append(f"{pad}{self.names[stmt.target]} += {expr};")
             else:
                 value = f"{stmt.kind}_{next(stores)}"
                 out.append(f"{pad}const float {value} = {expr};")
@@ -125,60 +149,69 @@ class StepWriter:
                 emit(st, pad, False, lines, deferred)
                 continue
             inner, loop_deferred = pad + "  ", []
-            lines += [f"{pad}float {b.target} = 0.0f;" for b in st.body if isinstance(b, Accumulate)]
+            lines += [f"{pad}float {self.names[b.target]} = 0.0f;"
+                      for b in st.body if isinstance(b, Accumulate)]
             lines.append(f"{pad}for (int n = 0; n < NS; ++n) {{")
             lines += [self._load(s, *self.vector_inputs[s], inner)
                       for s in sorted(free_symbols(st.body), key=str) if s in self.vector_inputs]
             for b in st.body:
                 emit(b, inner, True, lines, loop_deferred)
             lines += loop_deferred
+            lines += loop_end(st, inner) if loop_end else []
             lines.append(f"{pad}}}")
         return lines + deferred
 
 
-def _commit_state(spec):
+def _commit_state(spec, names):
     """Route for state stores: the new value replaces the state register once the step (or the
     loop iteration) has read the old one."""
     def route(store, value, in_loop, pad):
-        sym = spec.symbols[store.slot]
-        return [], [f"{pad}{sym}_s{'[n]' if in_loop else ''} = {value};"]
+        reg = names[("state", spec.symbols[store.slot])]
+        return [], [f"{pad}{reg}{'[n]' if in_loop else ''} = {value};"]
     return route
 
 
 class KernelRenderer:
     """Builds the template context of one kernel and renders (body, header)."""
 
-    def __init__(self, rec, dialect: Dialect, schedule: Schedule):
+    def __init__(self, rec, dialect: Dialect, schedule: Schedule, ids=None):
         self.rec, self.d, self.schedule = rec, dialect, schedule
         self.spec = rec.spec
         self.meta = MetaLayout(rec.spec)
+        self.names = Names(rec, self.meta, ids)
 
     # -- shared pieces -----------------------------------------------------------------------
     def _common(self, kind):
-        spec, d = self.spec, self.d
+        spec, d, nm = self.spec, self.d, self.names
         coords = []
         rest = "instance"
         for i, b in enumerate(reversed(spec.batch_axes)):
+            idx = nm[("idx", b)]
             if i == len(spec.batch_axes) - 1:
-                coords.append(f"const {d.int64} idx_{b} = {rest};")
+                coords.append(f"const {d.int64} {idx} = {rest};")
             else:
-                coords.append(f"const {d.int64} idx_{b} = {rest} % size_{b};")
-                coords.append(f"const {d.int64} rest_{b} = {rest} / size_{b};")
-                rest = f"rest_{b}"
+                coords.append(f"const {d.int64} {idx} = {rest} % {nm[('size', b)]};")
+                coords.append(f"const {d.int64} {nm[('rest', b)]} = {rest} / {nm[('size', b)]};")
+                rest = nm[("rest", b)]
         bases = []
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
-            terms = [f"idx_{b} * {t.name}_stride_{b}" for b in t.batch_axes]
+            terms = [f"{nm[('idx', b)]} * {nm.stride(t, b)}" for b in t.batch_axes]
             if t.has_lane:
-                terms.append(f"lane * {t.name}_stride_{spec.lane}")
-            bases.append(f"const {d.int64} {t.name}_base = {' + '.join(terms) or '0'};")
+                terms.append(f"lane * {nm.stride(t, spec.lane)}")
+            bases.append(f"const {d.int64} {nm[('base', t.name)]} = {' + '.join(terms) or '0'};")
         states = []
+        rows = []  # history rows before this slot's: NS per vector slot, 1 per scalar slot
         for t in spec.states.values():
             for c in range(t.components):
                 sym = spec.symbols[Slot(t.name, c)]
-                comp = f" + {c} * {t.name}_stride_comp" if t.components > 1 else ""
-                n = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
-                states.append(dict(sym=str(sym), vector=t.has_state_axis, tensor=t.name,
-                                   offset=f"{t.name}_base{comp}{n}", ckpt=self.ckpt_offset(t, c)))
+                ck = self.ckpt_offset(t, c)
+                states.append(dict(reg=nm[("state", sym)], vector=t.has_state_axis,
+                                   init=nm[("init", t.name)], final=nm[("final", t.name)],
+                                   ckpt_buffer=nm[("ckpt", t.name)],
+                                   offset=nm[("base", t.name)] + nm.terms(t, c, n=t.has_state_axis),
+                                   ckpt=ck, row=" + ".join(rows) or "0"))
+                rows.append("NS" if t.has_state_axis else "1")
+
         def shape_text(t):
             return " ".join(str(a) for a in t.axes)
 
@@ -186,19 +219,23 @@ class KernelRenderer:
                        f"state:   {', '.join(f'{t.name} [{shape_text(t)}]' for t in spec.states.values())}",
                        f"outputs: {', '.join(f'{t.name} [{shape_text(t)}]' for t in spec.outputs.values())}",
                        f"lane axis {spec.lane}, time axis {spec.time}, state axis "
-                       f"{spec.state_axis or '(none)'}, batch axes {' '.join(spec.batch_axes) or '(none)'}"]
-        return dict(d=d, spec=spec.name, kind=kind, meta=list(enumerate(self.meta.names)),
-                    coords=coords, bases=bases, states=states, schedule=self.schedule,
+                       f"{spec.state_axis or '(none)'}, batch axes {' '.join(spec.batch_axes) or '(none)'}",
+                       f"spec names are spelled with the prefix {PREFIX} (q -> {PREFIX}q)"]
+        meta = [(i, nm.meta_entry(k)) for i, k in enumerate(self.meta.keys)]
+        return dict(d=d, spec=spec.name, kind=kind, meta=meta,
+                    coords=coords, bases=bases, states=states, history_rows=" + ".join(rows),
+                    schedule=self.schedule,
                     description=description, i64=d.int64, segment_in_grid=False, outer=None)
 
     @staticmethod
     def ckpt_offset(t, component, segment="s") -> str:
         """Element offset in a buffer of one state per segment (checkpoints), laid out
-        ``[segment, instance, component, NS or 1, lane]``: lanes fastest, so a simdgroup's
-        reads and writes are contiguous."""
-        n, width = ("n", "NS") if t.has_state_axis else ("0", "1")
-        return (f"((({segment} * instances + instance) * {t.components} + {component}) * {width} "
-                f"+ {n}) * lanes + lane")
+        ``[segment, instance, component, NS or 1, lane]``: NS rows for a vector state, one for a
+        scalar state; lanes fastest, so a simdgroup's reads and writes are contiguous."""
+        if t.has_state_axis:
+            return (f"((({segment} * instances + instance) * {t.components} + {component}) * NS "
+                    f"+ n) * lanes + lane")
+        return f"(({segment} * instances + instance) * {t.components} + {component}) * lanes + lane"
 
     def header(self, kind, dtypes_text):
         ctx = self._common(kind)
@@ -212,17 +249,17 @@ class KernelRenderer:
     def _render_forward(self, segment_in_grid):
         """The forward sweep: over all steps from the initial state, writing checkpoints and
         the final state, or (``segment_in_grid``) over one segment from its checkpoint."""
-        spec = self.spec
-        writer = StepWriter(self.rec, self.d)
-        commit_state = _commit_state(spec)
+        spec, nm = self.spec, self.names
+        writer = StepWriter(self.rec, self.d, nm)
+        commit_state = _commit_state(spec, nm)
 
         def route(store, value, in_loop, pad):
             if store.kind == "state":
                 return commit_state(store, value, in_loop, pad)
             t = spec.outputs[store.slot.tensor]
-            comp = f" + {store.slot.component} * {t.name}_stride_comp" if t.components > 1 else ""
-            return [f"{pad}if (lane_ok) {{ {t.name}[{t.name}_base + t * {t.name}_stride_{spec.time}"
-                    f"{comp}] = static_cast<OutT>({value}); }}"], []
+            target = (f"{nm[('buffer', t.name)]}[{nm[('base', t.name)]}"
+                      f"{nm.terms(t, store.slot.component, time=True)}]")
+            return [f"{pad}if (lane_ok) {{ {target} = static_cast<OutT>({value}); }}"], []
 
         prog = self.rec.forward_program
         ctx = self._common("forward")
@@ -241,8 +278,8 @@ class KernelRenderer:
         segment from its end adjoint, with parameter gradients summed per segment; or
         (``lambda_only``, a program with only ``λ`` stores) from a zero adjoint, writing the
         segment's local adjoint."""
-        spec, d = self.spec, self.d
-        writer = StepWriter(self.rec, d)
+        spec, d, nm = self.spec, self.d, self.names
+        writer = StepWriter(self.rec, d, nm)
         # gradients reduced over lanes, by (input tensor, component): per step, or once at the end
         time_rows, param_rows = {}, {}
         accumulators = []  # parameter gradients, summed over time in registers
@@ -250,47 +287,74 @@ class KernelRenderer:
         def rows(table):
             return " + ".join(r.size for r in table.values()) or "0"
 
-        def grad_target(t, c, n_term, with_time):
-            comp = f" + {c} * {t.name}_stride_comp" if t.components > 1 else ""
-            time = f" + t * {t.name}_stride_{spec.time}" if with_time else ""
-            return f"d_{t.name}[d_{t.name}_base{time}{comp}{n_term}]"
+        def grad_target(t, c, in_loop, with_time):
+            offset = nm.terms(t, c, time=with_time, n=in_loop)
+            return f"{nm[('d', t.name)]}[{nm[('d_base', t.name)]}{offset}]"
+
+        # with time_rounds, the vector gradients reduced every step take rows
+        # (n % ROUND) * len(loop_rows) + k and are reduced inside the state loop, every ROUND
+        # iterations; the scalar ones keep their rows in time_rows, reduced after the step
+        loop_rows = {}
 
         def route(store, value, in_loop, pad):
             if store.kind == "lambda":
-                sym = self.rec.adjoint.state_cotangents[store.slot]
-                return [], [f"{pad}{sym}{'[n]' if in_loop else ''} = {value};"]
+                lam = nm[("sym", self.rec.adjoint.state_cotangents[store.slot])]
+                return [], [f"{pad}{lam}{'[n]' if in_loop else ''} = {value};"]
             t = spec.inputs[store.slot.tensor]
             c = store.slot.component
             n_idx = "n" if in_loop else "0"
-            n_term = f" + n * {t.name}_stride_{spec.state_axis}" if in_loop else ""
             if t.has_lane and t.has_time:
-                return [f"{pad}if (lane_ok) {{ {grad_target(t, c, n_term, True)} = {value}; }}"], []
+                return [f"{pad}if (lane_ok) {{ {grad_target(t, c, in_loop, True)} = {value}; }}"], []
             if not t.has_time:
-                name = f"acc_d{spec.symbols[store.slot]}"
+                name = nm[("acc", spec.symbols[store.slot])]
                 masked = value if t.has_lane else f"(lane_ok ? {value} : 0.0f)"
                 return [f"{pad}{name}[{n_idx}] += {masked};"], []
             # shared, time-varying: reduce over lanes this step
-            slot = time_rows[(t.name, c)]
+            if (t.name, c) in loop_rows:
+                row = f"(n % ROUND) * {len(loop_rows)} + {list(loop_rows).index((t.name, c))}"
+            else:
+                row = f"{time_rows[(t.name, c)].offset} + {n_idx}"
             return [f"{pad}{{",
                     f"{pad}  const float lanes_sum = {d.simd_sum}(lane_ok ? {value} : 0.0f);",
-                    f"{pad}  if (simd_lane == 0) {{ red[({slot.offset} + {n_idx}) * NSG + simd_group] = lanes_sum; }}",
+                    f"{pad}  if (simd_lane == 0) {{ red[({row}) * NSG + simd_group] = lanes_sum; }}",
                     f"{pad}}}"], []
+
+        def round_end(loop, pad):
+            """The lane reductions of one round of the state loop (time_rounds only)."""
+            if not any(isinstance(b, Store) and b.kind == "grad" and
+                       (b.slot.tensor, b.slot.component) in loop_rows for b in loop.body):
+                return []
+            k = len(loop_rows)
+            lines = [f"{pad}// lane reductions of this round's ROUND iterations, {k} rows each",
+                     f"{pad}if ((n + 1) % ROUND == 0 || n + 1 == NS) {{",
+                     f"{pad}  const int first = n - n % ROUND;",
+                     f"{pad}  {d.barrier};",
+                     f"{pad}  for (int row = int(tid); row < (n - first + 1) * {k}; row += TG) {{",
+                     f"{pad}    float total = 0.0f;",
+                     f"{pad}    for (int sg = 0; sg < NSG; ++sg) {{ total += red[row * NSG + sg]; }}",
+                     f"{pad}    const int n = first + row / {k};"]
+            for i, target in enumerate(loop_rows.values()):
+                cond = f"if (row % {k} == {i}) " if i < k - 1 else ""
+                lines.append(f"{pad}    {'else ' if i else ''}{cond}{{ {target} = total; }}")
+            return lines + [f"{pad}  }}", f"{pad}  {d.barrier};", f"{pad}}}"]
 
         for t in ([] if lambda_only else spec.inputs.values()):
             for c in range(t.components):
                 size = "NS" if t.has_state_axis else "1"
-                n_term = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
                 if not t.has_time:
-                    target = grad_target(t, c, n_term, False)
+                    target = grad_target(t, c, t.has_state_axis, False)
                     row = None
                     if not t.has_lane:
                         row = param_rows[(t.name, c)] = SharedSlot(rows(param_rows), size, target)
-                    accumulators.append(dict(name=f"acc_d{spec.symbols[Slot(t.name, c)]}",
+                    accumulators.append(dict(name=nm[("acc", spec.symbols[Slot(t.name, c)])],
                                              size=size, shared=not t.has_lane, target=target,
                                              slot=row))
                 elif not t.has_lane:
-                    time_rows[(t.name, c)] = SharedSlot(rows(time_rows), size,
-                                                        grad_target(t, c, n_term, True))
+                    target = grad_target(t, c, t.has_state_axis, True)
+                    if self.schedule.time_rounds and t.has_state_axis:
+                        loop_rows[(t.name, c)] = target
+                    else:
+                        time_rows[(t.name, c)] = SharedSlot(rows(time_rows), size, target)
 
         recompute = _without_outputs(self.rec.forward_program)
 
@@ -298,32 +362,34 @@ class KernelRenderer:
         lam = []
         for slot, sym in adj.state_cotangents.items():
             t = spec.states[slot.tensor]
-            comp = f" + {slot.component} * {t.name}_stride_comp" if t.components > 1 else ""
-            n = f" + n * {t.name}_stride_{spec.state_axis}" if t.has_state_axis else ""
+            offset = nm[("base", t.name)] + nm.terms(t, slot.component, n=t.has_state_axis)
             if lambda_only:
-                src = "0.0f"
+                init = "0.0f"
             elif segment_in_grid:
-                src = f"{t.name}_lamend[{self.ckpt_offset(t, slot.component, 'segment')}]"
+                lamend = f"{nm[('lamend', t.name)]}[{self.ckpt_offset(t, slot.component, 'segment')}]"
+                init = f"lane_ok ? {lamend} : 0.0f"
             else:
-                src = f"static_cast<float>(d_{t.name}_final[{t.name}_base{comp}{n}])"
-            lam.append(dict(sym=str(sym), vector=t.has_state_axis,
-                            init=src if lambda_only else f"lane_ok ? {src} : 0.0f",
-                            dst=f"d_{t.name}_init[{t.name}_base{comp}{n}]",
-                            local=f"{t.name}_local[{self.ckpt_offset(t, slot.component)}]"))
+                init = f"lane_ok ? static_cast<float>({nm[('d_final', t.name)]}[{offset}]) : 0.0f"
+            lam.append(dict(sym=nm[("sym", sym)], vector=t.has_state_axis, init=init,
+                            dst=f"{nm[('d_init', t.name)]}[{offset}]",
+                            local=f"{nm[('local', t.name)]}[{self.ckpt_offset(t, slot.component)}]"))
         grad_bases = []
         for t in ([] if lambda_only else spec.inputs.values()):
-            extra = [f" + idx_{b} * d{t.name}_stride_{b}" for b in self.meta.grad_axes[t.name]]
+            extra = [f" + {nm[('idx', b)]} * {nm[('d_stride', t.name, b)]}"
+                     for b in self.meta.grad_axes[t.name]]
+            if self.schedule.lane_partials and not t.has_lane:
+                extra.append(f" + lane_group * {nm[('d_stride', t.name, LANE_GROUPS)]}")
             if segment_in_grid and not t.has_time:  # one partial sum per segment
-                extra.append(f" + segment * d{t.name}_stride_segment")
-            grad_bases.append(f"const {d.int64} d_{t.name}_base = {t.name}_base{''.join(extra)};")
+                extra.append(f" + segment * {nm[('d_stride', t.name, SEGMENTS)]}")
+            grad_bases.append(f"const {d.int64} {nm[('d_base', t.name)]} = "
+                              f"{nm[('base', t.name)]}{''.join(extra)};")
         ctx = self._common("backward")
-        n_slots = sum(t.components for t in spec.states.values())
         state_symbols = {spec.symbols[s] for s in spec.state_slots()}
         ctx.update(
             recompute_loads=writer.step_loads(recompute, "      "),
-            recompute=writer.program(recompute, _commit_state(spec), "      "),
+            recompute=writer.program(recompute, _commit_state(spec, nm), "      "),
             loads=writer.step_loads(program, "      "),
-            step=writer.program(program, route, "      "),
+            step=writer.program(program, route, "      ", loop_end=round_end),
             segment_in_grid=segment_in_grid, lambda_only=lambda_only,
             outer="segment" if segment_in_grid else None,
             # an adjoint that never reads the state (a state-affine update with outputs linear
@@ -332,7 +398,8 @@ class KernelRenderer:
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
             time_count=rows(time_rows),
-            param_count=rows(param_rows), n_slots=n_slots,
+            param_count=rows(param_rows), loop_count=len(loop_rows),
+            max_shared_floats=MAX_SHARED_FLOATS, max_shared_bytes=MAX_SHARED_BYTES,
         )
         return environment().get_template("backward.j2").render(**ctx)
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..ir import Accumulate, Assign, Loop, Program, Store
 from .expr import MLXPrinter
+from .names import Identifiers
 
 
 @dataclass
@@ -37,27 +38,32 @@ def program_arguments(program: Program) -> list:
 
 
 def render_mlx(program: Program, name: str, args=None) -> MLXStep:
+    """The program as a Python function of its arguments. Symbols are spelled through
+    ``render.names`` (``u_q``), so no spec name meets a keyword (``lambda``), ``mx`` or the
+    function's own names (``state_ones``, ``out0``)."""
     args = program_arguments(program) if args is None else args
-    names = {s: f"{s}_" for s in args}  # suffix keeps spec names clear of Python's (`lambda`)
+    ids = Identifiers()
+    symbols = set(args) | {b.target for st in program.statements
+                           for b in (st.body if isinstance(st, Loop) else [st])
+                           if not isinstance(b, Store)}
+    for sym in sorted(symbols, key=str):
+        ids.add(sym, str(sym))
+    names = {s: ids[s] for s in symbols}
     pr = MLXPrinter(names)
     lines, results = [], []
     ones = False
 
-    def ident(sym):
-        names.setdefault(sym, f"{sym}_")
-        return names[sym]
-
     def emit(stmt):
         if isinstance(stmt, Assign):
-            lines.append(f"    {ident(stmt.target)} = {pr(stmt.expr)}")
+            lines.append(f"    {names[stmt.target]} = {pr(stmt.expr)}")
         elif isinstance(stmt, Accumulate):
             body = pr(stmt.expr)
             if not stmt.expr.free_symbols & program.vector:
                 # constant over the state axis: Σ_n adds N copies, as the kernels' loop does
                 nonlocal ones
                 ones = True
-                body = f"({body}) * state_ones_"
-            lines.append(f"    {ident(stmt.target)} = mx.sum({body}, axis=-1, keepdims=True)")
+                body = f"({body}) * state_ones"
+            lines.append(f"    {names[stmt.target]} = mx.sum({body}, axis=-1, keepdims=True)")
         elif isinstance(stmt, Store):
             var = f"out{len(results)}"
             lines.append(f"    {var} = {pr(stmt.expr)}")
@@ -71,7 +77,7 @@ def render_mlx(program: Program, name: str, args=None) -> MLXStep:
         else:
             emit(st)
     ret = ", ".join(f"out{i}" for i in range(len(results)))
-    params = (["state_ones_"] if ones else []) + [names[s] for s in args]
+    params = (["state_ones"] if ones else []) + [names[s] for s in args]
     source = (f"def {name}({', '.join(params)}):\n" + "\n".join(lines)
               + f"\n    return ({ret}{',' if len(results) == 1 else ''})\n")
     scope = {"mx": mx}
