@@ -39,34 +39,39 @@ def table(result) -> str:
         "in MiB (inputs included). `err` is the relative difference of the forward output from "
         "ours (sequential schedule) on the same inputs.",
         "",
-        "| case | dtype | implementation | fwd | fwd+bwd | peak | err |",
-        "|---|---|---|---|---|---|---|",
+        "| case | dtype | implementation | fwd | fwd+bwd | peak | err | run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         case = f"{row['spec']} {shape_text(row['shape'])}"
         for impl, r in row["runs"].items():
+            run = row.get("run", "")
             if "error" in r:
-                lines.append(f"| {case} | {row['dtype']} | {impl} | refused: {r['error']} | | | |")
+                lines.append(f"| {case} | {row['dtype']} | {impl} | refused: {r['error']} | | | | {run} |")
                 continue
             fb = ms(r.get("fwdbwd")) if "bwd_error" not in r else f"refused: {r['bwd_error']}"
             err = r.get("err_vs_ours", r.get("err_vs_sequential"))
             lines.append(f"| {case} | {row['dtype']} | {impl} | {ms(r.get('fwd'))} | {fb} | "
-                         f"{mib(r.get('peak'))} | {'' if err is None else f'{err:.1e}'} |")
-    lines += ["", "## Ratios: ours (chunked, else sequential) / peer", "",
-              "| case | dtype | peer | fwd ratio | fwd+bwd ratio | peak ratio |", "|---|---|---|---|---|---|"]
+                         f"{mib(r.get('peak'))} | {'' if err is None else f'{err:.1e}'} | {run} |")
+    lines += ["", "## Ratios: ours / peer (below 1: ours is faster or smaller)", "",
+              "Each cell: chunked schedule / sequential schedule (— where a side did not run).", "",
+              "| case | dtype | peer | fwd | fwd+bwd | peak |", "|---|---|---|---|---|---|"]
+
+    def ratio(mine, r, key):
+        if not mine or "error" in mine or not r.get(key) or not mine.get(key):
+            return "—"
+        return f"{mine[key] / r[key]:.2f}"
+
     for row in result["rows"]:
         runs = row["runs"]
-        mine = runs.get("ours-chunked") or runs.get("ours-sequential")
-        label = "chunked" if "ours-chunked" in runs else "sequential"
-        if not mine or "error" in mine:
-            continue
+        chunked, sequential = runs.get("ours-chunked"), runs.get("ours-sequential")
         for impl, r in runs.items():
             if impl.startswith("ours") or "error" in r:
                 continue
-            fb = (f"{mine['fwdbwd'] / r['fwdbwd']:.2f}" if r.get("fwdbwd") else "—")
-            pk = (f"{mine['peak'] / r['peak']:.2f}" if r.get("peak") else "—")
-            lines.append(f"| {row['spec']} {shape_text(row['shape'])} | {row['dtype']} | {impl} "
-                         f"(ours: {label}) | {mine['fwd'] / r['fwd']:.2f} | {fb} | {pk} |")
+            cells = [f"{ratio(chunked, r, k)} / {ratio(sequential, r, k)}"
+                     for k in ("fwd", "fwdbwd", "peak")]
+            lines.append(f"| {row['spec']} {shape_text(row['shape'])} | {row['dtype']} | {impl} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -92,8 +97,9 @@ def chart(result, path):
         ax.invert_yaxis()
         ax.set_xscale("log")
         ax.set_xlabel("ms (log scale)")
-        ax.set_title(f"{title}, fp32 — blue: ours chunked, cyan: ours sequential, gray: peers")
-    fig.suptitle(f"{result['versions'].get('device')}, {result['date']}")
+        ax.set_title(f"{title}, fp32")
+    fig.suptitle(f"{result['versions'].get('device')}, {result['date']} — blue: ours, chunked; "
+                 "cyan: ours, sequential; gray: peers")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
