@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_recgen as rg
+from bench_scan import peak as peak_mlx  # the same peak-memory measure as bench_scan
 
 
 @rg.recurrence(lane="V", state={"S": "B H K V"},
@@ -113,16 +114,6 @@ def time_torch(fn, reps):
             fn()
         torch.cuda.synchronize()
     return _median_batches(batch, reps)
-
-
-def peak_mlx(fn):
-    mx.eval(fn())
-    mx.synchronize()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    mx.eval(fn())
-    mx.synchronize()
-    return mx.get_peak_memory()
 
 
 def peak_torch(fn):
