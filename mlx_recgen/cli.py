@@ -19,6 +19,7 @@ import time
 
 import mlx.core as mx
 
+from .backends.kernels import CHUNKED_KERNELS, SEQUENTIAL_KERNELS
 from .function import BACKENDS, positive_int
 from .specs import list_specs, load_spec
 
@@ -284,7 +285,12 @@ def _parser():
     sub.add_parser("list", help="list the bundled specs")
     s = sub.add_parser("show", help="print a generated kernel")
     s.add_argument("spec")
-    s.add_argument("--kernel", choices=["forward", "backward"], default="forward")
+    s.add_argument("--kernel", default="forward",
+                   choices=[*SEQUENTIAL_KERNELS, *CHUNKED_KERNELS],
+                   help="forward/backward (sequential schedule) or one of the chunked schedule's "
+                        f"kernels: {', '.join(CHUNKED_KERNELS)}")
+    s.add_argument("--schedule", choices=["sequential", "chunked"], default=None,
+                   help="default: chunked for the chunked schedule's kernels, else sequential")
     s.add_argument("--backend", choices=["metal", "cuda", "mlx"], default="metal")
     s.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     s.add_argument("--seg", type=int, default=32)
@@ -313,8 +319,12 @@ def _run(args):
         backend, why = resolve_backend(args.backend)  # before loading and compiling anything
     rec = _load(args.spec)
     if args.cmd == "show":
+        schedule = args.schedule or ("chunked" if args.kernel in CHUNKED_KERNELS else "sequential")
+        if args.backend == "mlx" and schedule == "chunked":
+            raise ValueError("the chunked schedule's kernels are rendered for metal or cuda")
+        options = {} if args.backend == "mlx" else {"schedule": schedule}
         print(rec.source(args.kernel, backend=args.backend, dtype=getattr(mx, args.dtype),
-                         seg=args.seg))
+                         seg=args.seg, **options))
         return 0
     if args.cmd == "adjoint":
         print("forward step:\n" + rec.forward_ir() + "\n\nbackward step:\n" + rec.adjoint_ir())

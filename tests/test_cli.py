@@ -37,6 +37,10 @@ def bad_spec_files(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["show", "no_such_spec"], r"unknown spec 'no_such_spec'; bundled specs are"),
     (["show", "ssd", "--seg", "0"], r"show: --seg must be a positive integer, got 0"),
+    (["show", "ssd", "--kernel", "carry", "--schedule", "sequential"],
+     r"the sequential schedule's kernels are \('forward', 'backward'\), got 'carry'"),
+    (["show", "examples/delta_rule.py", "--kernel", "summary"], r"has no chunked kernels: the "
+                                                                r"update of state 'h' reads"),
     (["check", "ssd", "--seg", "-2", "--backend", "mlx"], r"check: --seg must be a positive"),
     (["check", "ssd", "--backend", "tpu"], r"unknown backend 'tpu'; choose one of"),
     (["adjoint", "{dir}/syntax.py"], r"cannot load spec file '.*syntax.py': SyntaxError: "),
@@ -67,6 +71,14 @@ def test_demo_on_a_missing_backend_fails_before_printing(capsys, backend):
     assert err.startswith(f"mlx-recgen: error: backend='{backend}' needs") and err.count("\n") == 1
     rc, out, err = _main(capsys, "check", "ssd", "--backend", backend)
     assert rc == 1 and out == "" and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("kernel", ["summary", "carry", "outputs", "local_adjoint",
+                                    "adjoint_carry", "gradients"])
+def test_show_prints_the_chunked_kernels(capsys, kernel):
+    rc, out, _ = _main(capsys, "show", "gla", "--kernel", kernel, "--backend", "cuda")
+    assert rc == 0 and f"custom_kernel_recgen_gla_{kernel}" in out
+    assert ("element" if "carry" in kernel else "segment") in out
 
 
 def test_traceback_flag_reraises(capsys):
