@@ -27,6 +27,7 @@ from __future__ import annotations
 from ..affine import product_entries, summary_program
 from ..ir import prune
 from .kernels import KernelRenderer, StepWriter, environment
+from .names import program_symbols
 
 
 class ChunkedRenderer(KernelRenderer):
@@ -80,11 +81,9 @@ class ChunkedRenderer(KernelRenderer):
         for p in self.products:
             regs[p.slot] = nm[("state", p.symbol)]
             writer.names[p.symbol] = regs[p.slot] + ("[n]" if p.pointwise else "")
-        for st in program.statements:  # temporaries of the summary step
-            for b in getattr(st, "body", [st]):
-                target = getattr(b, "target", None)
-                if target is not None and target not in writer.names:
-                    writer.names[target] = nm.ids.add(("sym", target), str(target))
+        for sym in program_symbols(program):  # the summary step's own temporaries
+            if sym not in writer.names:
+                writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
 
         def route(store, value, in_loop, pad):
             return [], [f"{pad}{regs[store.slot]}{'[n]' if in_loop else ''} = {value};"]
