@@ -121,6 +121,25 @@ def oscillator_ref(damp, force, pos, vel):
     return mx.stack(ys, axis=1), (pos, vel)
 
 
+@rg.recurrence(lane="V", state={"S": "B K V"}, inputs={"k": "B L K", "v": "B L V"},
+               outputs={"o": "B L V"})
+def normalized_decay(S, k, v, i):
+    """A multiplier read from a reduction that does not read the state (Σ k², so the summary
+    kernel computes it too)."""
+    norm = rg.Sum(k[i] * k[i], i)
+    S[i] = rg.exp(-norm) * S[i] + k[i] * v
+    return {"o": rg.Sum(S[i], i) * v}
+
+
+def normalized_decay_ref(k, v, S):
+    ys = []
+    for t in range(k.shape[1]):
+        decay = mx.exp(-mx.sum(k[:, t] * k[:, t], axis=-1))
+        S = decay[:, None, None] * S + k[:, t][:, :, None] * v[:, t][:, None, :]
+        ys.append(mx.sum(S, axis=1) * v[:, t])
+    return mx.stack(ys, axis=1), S
+
+
 def _n(*shape, scale=1.0):
     return scale * mx.random.normal(shape)
 
@@ -145,6 +164,10 @@ def _case(name):
         K, V = 3, 6
         ins = [_n(b, L, K), _n(b, L, K), _n(b, L, V), _u(0.7, 1.0, b, L), _n(K)]
         return mlstm_like, mlstm_like_ref, ins, [_n(b, K, V, scale=0.5), _n(b, K, V, scale=0.5)]
+    if name == "normalized_decay":
+        K, V = 3, 7
+        return (normalized_decay, normalized_decay_ref, [_n(b, L, K, scale=0.5), _n(b, L, V)],
+                [_n(b, K, V)])
     if name == "oscillator":
         D, N = 6, 3
         ins = [_n(b, L, D), _n(b, L, N, scale=0.3)]
@@ -154,7 +177,8 @@ def _case(name):
     return vector_and_scalar, vector_and_scalar_ref, ins, [_n(b, P, N), _n(b, P)]
 
 
-CUSTOM = ["gla_vector", "complex_lru", "mlstm_like", "vector_and_scalar", "oscillator"]
+CUSTOM = ["gla_vector", "complex_lru", "mlstm_like", "vector_and_scalar", "oscillator",
+          "normalized_decay"]
 
 
 # -- the analysis ------------------------------------------------------------------------------
@@ -178,7 +202,7 @@ def test_blocks_and_multipliers():
     assert sorted(b.size for b in pair.blocks) == [1, 1] and len(pair.blocks) == 2
     assert gla_vector.affine.blocks[0].pointwise
     assert [b.size for b in oscillator.affine.blocks] == [2]  # across the tensors pos and vel
-    assert all(rec.time_parallel for rec in (complex_lru, mlstm_like))
+    assert all(rec.time_parallel for rec in (complex_lru, mlstm_like, normalized_decay))
 
 
 def _not_parallel():
