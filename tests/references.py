@@ -368,6 +368,139 @@ ZOO_REFERENCES = {
 
 
 # ---------------------------------------------------------------------------------------------
+# Ecosystem call forms (mlx_recgen.ops): flash-linear-attention's and mamba_ssm's semantics,
+# one sequence and one step at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def fla_sequences(step, seqs, h0, cu_seqlens=None, reverse=False):
+    """Run ``step(S, xs_t) -> (S, o_t)`` over FLA's time-major inputs ``seqs`` (``[B, T, ...]``):
+    the ``B`` rows, or with ``cu_seqlens`` the sequences packed along time (``B = 1``), each from
+    its own initial state ``h0[n]``, in reverse step order when ``reverse``. Returns
+    ``(o [B, T, ...], final states [N, ...])``."""
+    B, T = seqs[0].shape[:2]
+    if cu_seqlens is None:
+        spans = [(b, 0, T) for b in range(B)]
+    else:
+        cu = [int(c) for c in cu_seqlens]
+        spans = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    rows, finals = {}, []
+    for n, (b, start, end) in enumerate(spans):
+        S = h0[n]
+        steps = range(end - 1, start - 1, -1) if reverse else range(start, end)
+        for t in steps:
+            S, o = step(S, [None if x is None else x[b, t] for x in seqs])
+            rows[(b, t)] = o
+        finals.append(S)
+    o = mx.stack([mx.stack([rows[(b, t)] for t in range(T)]) for b in range(B)])
+    return o, mx.stack(finals)
+
+
+def fla_delta_step(scale, gated_heads=1):
+    """FLA's gated delta rule for one step of one sequence: q, k [H, K], v [HV, V], g [HV],
+    gk [HV, K], gv [HV, V] (log gates, None when absent), beta [HV] or [HV, V]; state
+    [HV, K, V]. Value head h reads query/key head h // gated_heads."""
+    def step(S, xs):
+        q, k, v, g, gk, gv, beta = xs
+        HV = v.shape[0]
+        heads = [h // gated_heads for h in range(HV)]
+        q, k = q[mx.array(heads)] * scale, k[mx.array(heads)]
+        if g is not None:
+            S = S * mx.exp(g)[:, None, None]
+        if gk is not None:
+            S = S * mx.exp(gk)[:, :, None]
+        if gv is not None:
+            S = S * mx.exp(gv)[:, None, :]
+        b = beta if beta.ndim == 2 else beta[:, None]
+        u = b * (v - mx.sum(S * k[:, :, None], axis=1))  # [HV, V]
+        S = S + k[:, :, None] * u[:, None, :]
+        return S, mx.sum(S * q[:, :, None], axis=1)
+    return step
+
+
+def fla_gla_step(scale):
+    """GLA for one step: q, k [H, K], v [H, V], per-head log gate g [H], per-key gk [H, K],
+    per-value gv [H, V] (None when absent); S <- decays * S + k v^T; o = (scale q)^T S."""
+    def step(S, xs):
+        q, k, v, g, gk, gv = xs
+        if g is not None:
+            S = S * mx.exp(g)[:, None, None]
+        if gk is not None:
+            S = S * mx.exp(gk)[:, :, None]
+        if gv is not None:
+            S = S * mx.exp(gv)[:, None, :]
+        S = S + k[:, :, None] * v[:, None, :]
+        return S, mx.sum(S * (scale * q)[:, :, None], axis=1)
+    return step
+
+
+def fla_rwkv6_step(scale, u):
+    """RWKV-6 for one step: o = (scale r)^T (S + diag(u) k v^T); S <- diag(exp(w)) S + k v^T."""
+    def step(S, xs):
+        r, k, v, w = xs
+        kv = k[:, :, None] * v[:, None, :]
+        o = mx.sum((S + u[:, :, None] * kv) * (scale * r)[:, :, None], axis=1)
+        return mx.exp(w)[:, :, None] * S + kv, o
+    return step
+
+
+def fla_rwkv7_step(scale):
+    """FLA's RWKV-7 (DPLR) for one step: S <- diag(exp(w)) S + b (a^T S) + k v^T;
+    o = (scale r)^T S."""
+    def step(S, xs):
+        r, w, k, v, a, b = xs
+        aS = mx.sum(a[:, :, None] * S, axis=1)  # [H, V]
+        S = mx.exp(w)[:, :, None] * S + b[:, :, None] * aS[:, None, :] + k[:, :, None] * v[:, None, :]
+        return S, mx.sum(S * (scale * r)[:, :, None], axis=1)
+    return step
+
+
+def fla_hgrn_step(S, xs):
+    """HGRN for one step: h <- exp(g) h + x; o = h."""
+    x, g = xs
+    S = mx.exp(g) * S + x
+    return S, S
+
+
+def l2norm_ref(x):
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
+    return x / mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       cu_seqlens=None):
+    """mamba_ssm's selective scan in its own layout: u, delta, z [b, D, L], A [D, N], B, C
+    [b, N, L] or [b, G, N, L] (channel d reads group d // (D/G)); the state restarts from zero
+    at every cu_seqlens boundary. Returns (out [b, D, L], the state after the last step)."""
+    if delta_bias is not None:
+        delta = delta + delta_bias[:, None]
+    if delta_softplus:
+        delta = mx.log(1 + mx.exp(delta))
+    b, Dm, L = u.shape
+
+    def per_channel(X):  # -> [b, D, N, L]
+        if X.ndim == 3:
+            return mx.broadcast_to(X[:, None], (b, Dm, *X.shape[1:]))
+        return mx.repeat(X, Dm // X.shape[1], axis=1)
+
+    B, C = per_channel(B), per_channel(C)
+    starts = set() if cu_seqlens is None else {int(c) for c in cu_seqlens[1:-1]}
+    x = mx.zeros((b, Dm, A.shape[1]))
+    ys = []
+    for t in range(L):
+        if t in starts:
+            x = mx.zeros_like(x)
+        x = mx.exp(delta[:, :, t, None] * A) * x + (delta[:, :, t] * u[:, :, t])[..., None] * B[..., t]
+        ys.append(mx.sum(x * C[..., t], axis=-1))
+    y = mx.stack(ys, axis=-1)
+    if D is not None:
+        y = y + D[:, None] * u
+    if z is not None:
+        y = y * z * mx.sigmoid(z)
+    return y, x
+
+
+# ---------------------------------------------------------------------------------------------
 # Random inputs in a stable range (never zeros)
 # ---------------------------------------------------------------------------------------------
 
