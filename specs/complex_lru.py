@@ -1,13 +1,12 @@
-"""The LRU, a complex diagonal linear recurrence (Orvieto et al. 2023), exponentially
-parametrised and normalised.
+"""The LRU, a complex diagonal linear recurrence (Orvieto et al. 2023).
 
-    lambda = exp(-exp(nu_log) + i exp(theta_log))
-    gamma  = sqrt(1 - |lambda|^2)
-    h     <- lambda * h + gamma * bx          (complex)
-    y      = h
+    h <- lambda * h + gamma * bx
+    y  = h
 
-bx (B x_t, the complex input projection, as (re, im) pairs): [B, L, D, 2]; nu_log, theta_log:
-[D]. State [B, D, 2] (re, im); one lane per channel. The readout Re(C h) + D x is outside.
+in complex numbers, exponentially parametrised and normalised:
+lambda = exp(-exp(nu_log) + i exp(theta_log)), gamma = sqrt(1 - |lambda|^2). bx (B x_t, the
+complex input projection, as (re, im) pairs): [B, L, D, 2]; nu_log, theta_log: [D]. State
+[B, D, 2] (re, im); one lane per channel. The readout Re(C h) + D x is outside.
 """
 
 import mlx_recgen as rg

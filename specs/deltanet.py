@@ -1,9 +1,12 @@
 """DeltaNet, linear attention with the delta rule (Schlag et al. 2021; Yang et al. 2024).
 
-    S <- S - beta * k (k^T S - v^T)       i.e. S <- (I - beta k k^T) S + beta k v^T
-    o  = S^T q                            (the updated state)
+    S <- (I - beta k k^T) S + beta k v^T
+    o  = S^T q
 
-Per value channel j: S[i, j] <- S[i, j] + beta * (v[j] - sum_i' k[i'] S[i', j]) * k[i].
+that is S <- S - beta k (k^T S - v^T); o reads the updated state. Per value channel j:
+
+    S[i, j] <- S[i, j] + beta (v[j] - sum_i' k[i'] S[i', j]) k[i]
+
 q, k: [B, L, H, K], v: [B, L, H, V], beta: [B, L, H]. State [B, H, K, V] (K by V, as in
 flash-linear-attention); one lane per value channel j.
 """

@@ -1,9 +1,12 @@
 """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a decay per head.
 
-    S <- alpha (I - beta k k^T) S + beta k v^T,   alpha = exp(g)
-    o  = S^T q                                    (the updated state)
+    S <- exp(g) (I - beta k k^T) S + beta k v^T
+    o  = S^T q
 
-Per value channel j: S[i, j] <- alpha S[i, j] + beta (v[j] - alpha sum_i' k[i'] S[i', j]) k[i].
+with the decay alpha = exp(g); o reads the updated state. Per value channel j:
+
+    S[i, j] <- alpha S[i, j] + beta (v[j] - alpha sum_i' k[i'] S[i', j]) k[i]
+
 q, k: [B, L, H, K], v: [B, L, H, V], g (log of the decay), beta: [B, L, H]. State
 [B, H, K, V]; one lane per value channel j.
 """

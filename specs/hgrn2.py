@@ -1,11 +1,11 @@
 """HGRN2 (Qin et al. 2024): a gated linear RNN with outer-product state expansion.
 
     S <- diag(f) S + (1 - f) i^T
-    o  = S^T q                            (the updated state)
+    o  = S^T q
 
-f is the forget gate (in (0, 1) in the paper), 1 - f the input key, i the input and q the
-output gate. q, f: [B, L, H, K], i: [B, L, H, V]. State [B, H, K, V]; one lane per value
-channel.
+o reads the updated state; f is the forget gate (in (0, 1) in the paper), 1 - f the input key,
+i the input and q the output gate. q, f: [B, L, H, K], i: [B, L, H, V]. State [B, H, K, V];
+one lane per value channel.
 """
 
 import mlx_recgen as rg

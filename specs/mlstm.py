@@ -1,14 +1,19 @@
 """mLSTM, the matrix-memory cell of xLSTM (Beck et al. 2024), in its stabilised form.
 
-    m <- max(log f + m, i~)                          log f = log sigmoid(f~)
-    C <- exp(log f + m_old - m) C + exp(i~ - m) k v^T
-    n <- exp(log f + m_old - m) n + exp(i~ - m) k
+    m <- max(log f + m, i~)
+    C <- f' C + i' k v^T
+    n <- f' n + i' k
     h  = C^T q / max(|n^T q|, exp(-m))
 
-the stabilised twin of C <- f C + i k v^T, n <- f n + i k, h = C^T q / max(|n^T q|, 1) with
-i = exp(i~), f = sigmoid(f~) (the same h: C and n carry a factor exp(-m)). q, k: [B, L, H, K]
-(k already scaled by 1/sqrt(K)), v: [B, L, H, V], i~, f~ (gate pre-activations): [B, L, H].
-States: C [B, H, K, V]; the normaliser n and the stabiliser m, which the paper keeps per head
+with log f = log sigmoid(f~), f' = exp(log f + m_old - m) and i' = exp(i~ - m): the stabilised
+twin of
+
+    C <- f C + i k v^T,   n <- f n + i k,   h = C^T q / max(|n^T q|, 1),   i = exp(i~),
+    f = sigmoid(f~)
+
+(the same h: C and n carry a factor exp(-m)). q, k: [B, L, H, K] (k already scaled by
+1/sqrt(K)), v: [B, L, H, V], i~, f~ (the gates' pre-activations): [B, L, H]. States:
+C [B, H, K, V]; the normaliser n and the stabiliser m, which the paper keeps per head
 ([B, H, K] and [B, H]), are kept per value channel (one copy per lane, all equal when the
 initial copies are). One lane per value channel.
 """

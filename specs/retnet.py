@@ -1,10 +1,10 @@
 """RetNet's retention, recurrent form (Sun et al. 2023): a fixed decay per head.
 
     S <- gamma S + k v^T
-    o  = S^T q                            (the updated state)
+    o  = S^T q
 
-q, k: [B, L, H, K], v: [B, L, H, V], gamma: [H] (the paper uses 1 - 2^(-5 - h)). State
-[B, H, K, V]; one lane per value channel.
+o reads the updated state. q, k: [B, L, H, K], v: [B, L, H, V], gamma: [H] (the paper uses
+1 - 2^(-5 - h)). State [B, H, K, V]; one lane per value channel.
 """
 
 import mlx_recgen as rg

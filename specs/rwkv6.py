@@ -1,11 +1,12 @@
 """RWKV-6 (Finch, Peng et al. 2024): the WKV recurrence with data-dependent decay and a bonus.
 
-    o  = r^T (S + diag(u) k v^T)          (the state before the update)
+    o  = r^T (S + diag(u) k v^T)
     S <- diag(exp(w)) S + k v^T
 
-The paper's decay is exp(-exp(omega)) per key channel; w = -exp(omega) is its log, as in
-flash-linear-attention. r, k, w: [B, L, H, K], v: [B, L, H, V], u (the bonus of the current
-token): [H, K]. State [B, H, K, V]; one lane per value channel.
+o reads the state before the update. The paper's decay is exp(-exp(omega)) per key channel;
+w = -exp(omega) is its log, as in flash-linear-attention. r, k, w: [B, L, H, K],
+v: [B, L, H, V], u (the bonus of the current token): [H, K]. State [B, H, K, V]; one lane per
+value channel.
 """
 
 import mlx_recgen as rg

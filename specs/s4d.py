@@ -1,13 +1,12 @@
 """S4D (Gu et al. 2022), a diagonal complex state space model, zero-order-hold discretised.
 
-    A       = -exp(log_A_real) + i A_imag                  (per channel d and state n)
-    dA      = exp(dt A),  dB = (dA - 1) / A,  dt = exp(log_dt)
-    h[n]   <- dA[n] h[n] + dB[n] u                         (complex)
-    y       = 2 Re(sum_n C[n] h[n]) + D u
+    h[n] <- dA[n] h[n] + dB[n] u
+    y     = 2 Re(sum_n C[n] h[n]) + D u
 
-the recurrent view of S4D's convolution kernel K_l = 2 Re(sum_n C[n] dB[n] dA[n]^l).
-u: [B, L, D], log_dt, D: [D], log_A_real, A_imag: [D, N], C: [D, N, 2] (re, im). State
-[B, D, N, 2]; one lane per channel d.
+in complex numbers, per channel d and state n, with A = -exp(log_A_real) + i A_imag,
+dA = exp(dt A), dB = (dA - 1) / A and dt = exp(log_dt): the recurrent view of S4D's
+convolution kernel K_l = 2 Re(sum_n C[n] dB[n] dA[n]^l). u: [B, L, D], log_dt, D: [D],
+log_A_real, A_imag: [D, N], C: [D, N, 2] (re, im). State [B, D, N, 2]; one lane per channel d.
 """
 
 import mlx_recgen as rg

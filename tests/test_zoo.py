@@ -218,3 +218,21 @@ def test_references_are_not_degenerate():
             assert mx.all(mx.isfinite(x)).item(), name
             assert mx.min(x).item() < 0 < mx.max(x).item(), name
             assert math.isfinite(mx.max(mx.abs(x)).item()) and mx.max(mx.abs(x)).item() < 1e3, name
+
+
+def test_readme_zoo_table_matches_the_specs():
+    """The README's zoo table lists every bundled spec with its lines and time-parallel flag."""
+    import re
+    from pathlib import Path
+
+    from mlx_recgen.resources import specs_dir
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### The zoo: bundled specs", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| [^|]+ \| (\d+) \| (yes|no) \|$", section, re.M)
+    assert sorted(name for name, _, _ in rows) == sorted(rg.list_specs())
+    for name, lines, parallel in rows:
+        source = (specs_dir() / f"{name}.py").read_text().splitlines()
+        start = next(i for i, line in enumerate(source) if line.startswith("@rg.recurrence"))
+        assert sum(1 for line in source[start:] if line.strip()) == int(lines), name
+        assert rg.load_spec(name).time_parallel == (parallel == "yes"), name
