@@ -513,12 +513,14 @@ _BUILTIN_MAX_MIN = re.compile(r"(?<![\w.])(max|min)\s*\(")
 def _user_line(exc) -> str:
     """The source line of the innermost frame outside sympy and mlx_recgen that ``exc`` passed
     through (the body, or a helper it called), or ``""``."""
-    skip = (os.path.dirname(sympy.__file__), os.path.dirname(__file__))
+    package = os.path.dirname(__file__)
+    skip = (os.path.dirname(sympy.__file__) + os.sep, package + os.sep)
+    specs = os.path.join(package, "specs") + os.sep  # bundled specs, in an installed wheel
     line = ""
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not filename.startswith(skip):
+        if not filename.startswith(skip) or filename.startswith(specs):
             line = linecache.getline(filename, tb.tb_lineno).strip()
         tb = tb.tb_next
     return line
