@@ -33,8 +33,12 @@ class Adjoint:
 
 
 def _simplify(e):
-    """A cheap simplification: keep sympy's result only when it is not larger."""
-    if e == 0 or sympy.count_ops(e) > 30:
+    """A cheap simplification: keep sympy's result only when it is not larger.
+
+    Expressions with a ``Piecewise`` (``where``, ``maximum``, ``minimum``) are kept as they are:
+    simplifying their conditions makes sympy compare expressions at random numeric points, which
+    takes tens of seconds for a step with a few of them (the stabilised mLSTM's running max)."""
+    if e == 0 or sympy.count_ops(e) > 30 or e.has(sympy.Piecewise):
         return e
     s = sympy.simplify(e)
     return s if sympy.count_ops(s) <= sympy.count_ops(e) else e

@@ -1,7 +1,7 @@
 """The ``mlx-recgen`` command line.
 
     mlx-recgen demo                                   # a small spec end to end, checked
-    mlx-recgen list                                   # the bundled specs
+    mlx-recgen list                                   # the bundled specs and their math
     mlx-recgen show SPEC_OR_FILE --kernel backward --backend metal
     mlx-recgen adjoint SPEC_OR_FILE                   # the derived backward statements
     mlx-recgen check SPEC_OR_FILE --backend metal-sim # forward + backward vs the reference
@@ -258,6 +258,18 @@ def demo(backend=None, length=256):
     return 0
 
 
+def one_line_math(doc: str) -> str:
+    """A spec's math on one line: the first indented block of its docstring (the update and
+    the outputs, one per line), its lines joined by ``;``."""
+    block = []
+    for line in doc.splitlines()[1:]:
+        if line.startswith("    ") and line.strip():
+            block.append(" ".join(line.split()))
+        elif block:
+            break
+    return ";  ".join(block)
+
+
 def _load(name):
     """``load_spec``, reporting an error raised while running a spec file as such."""
     from .errors import SpecError
@@ -282,7 +294,7 @@ def _parser():
     d = sub.add_parser("demo", help="define a spec, run it, check it against the reference")
     d.add_argument("--backend", default=None, help=f"one of {', '.join(BACKENDS)} (default: "
                                                    "the best available)")
-    sub.add_parser("list", help="list the bundled specs")
+    sub.add_parser("list", help="list the bundled specs, each with its math and its title")
     s = sub.add_parser("show", help="print a generated kernel")
     s.add_argument("spec")
     s.add_argument("--kernel", default="forward",
@@ -309,9 +321,12 @@ def _run(args):
     if args.cmd == "demo":
         return demo(args.backend)
     if args.cmd == "list":
-        for name in list_specs():
-            doc = (load_spec(name).spec.doc or "").splitlines()
-            print(f"{name:<8} {doc[0] if doc else ''}")
+        names = list_specs()
+        width = max(len(n) for n in names)
+        for name in names:
+            doc = load_spec(name).spec.doc or ""
+            print(f"{name:<{width}}  {one_line_math(doc)}")
+            print(f"{'':<{width}}  {doc.splitlines()[0] if doc else ''}")
         return 0
     if args.cmd in ("show", "check"):
         positive_int(args.cmd, "--seg", args.seg)

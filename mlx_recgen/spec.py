@@ -18,6 +18,9 @@ The body is plain Python run once on sympy symbols; what it computes is read bac
 from __future__ import annotations
 
 import inspect
+import linecache
+import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -155,9 +158,13 @@ class _Indexable:
         return f"<{self._tensor.kind} {self._tensor.name}>"
 
     def _not_scalar(self, *_):
+        t, axis = self._tensor, self._owner.state_axis
+        hint = ""
+        if t.has_state_axis:
+            hint = (f" ('{t.name}' carries the state axis '{axis}', an axis that no output "
+                    f"carries; if '{axis}' is a batch axis, every output must carry it)")
         raise SpecError(self._owner.spec_name,
-                        f"'{self._tensor.name}' has index axes; use it as "
-                        f"{self._tensor.name}[...] in expressions")
+                        f"'{t.name}' has index axes; use it as {t.name}[...] in expressions{hint}")
 
     __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = _not_scalar
     __truediv__ = __rtruediv__ = __pow__ = __neg__ = _not_scalar
@@ -381,7 +388,9 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
                 state_axes.append(a)
     if len(state_axes) > 1:
         raise SpecError(spec_name, f"states carry several state axes {state_axes}; one state "
-                                   "axis (besides lane, batch and a component axis) is supported")
+                                   "axis (besides lane, batch and a component axis) is supported. "
+                                   "A state axis is one that states carry and outputs do not: a "
+                                   "batch axis must be carried by every output")
     state_axis = state_axes[0] if state_axes else None
 
     known = set(batch_axes) | {time, lane} | ({state_axis} if state_axis else set())
@@ -390,7 +399,8 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
         for a in axes:
             if isinstance(a, str) and a not in known:
                 raise SpecError(spec_name, f"tensor '{tname}': unknown axis '{a}' (not the time "
-                                           "or lane axis, not carried by an output or a state)")
+                                           "or lane axis, not carried by an output or a state; "
+                                           "batch axes are the ones the outputs carry)")
         comps = [a for a in axes if isinstance(a, int)]
         tensors[tname] = Tensor(
             name=tname, kind=kind, axes=axes, has_time=time in axes, has_lane=lane in axes,
@@ -413,8 +423,11 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
                                    "(an axis the outputs carry is batch-like, not a state axis; "
                                    "outputs reduce over the state axis with Sum)")
     if state_axis is not None and len(extra) != 1:
+        hint = "" if extra else (
+            f"; '{state_axis}' is the state axis because states carry it and no output does (if "
+            f"'{state_axis}' is a batch axis, every output must carry it)")
         raise SpecError(spec_name, f"the body needs exactly one index parameter for the state "
-                                   f"axis '{state_axis}' (after the tensors), got {extra}")
+                                   f"axis '{state_axis}' (after the tensors), got {extra}{hint}")
     index_name = extra[0] if extra else None
 
     tracer = Tracer(spec_name, tensors, state_axis, index_name)
@@ -430,7 +443,7 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
     except SpecError:
         raise
     except Exception as exc:  # the body is user code: report it in the spec's terms
-        raise SpecError(spec_name, f"tracing the body failed: {type(exc).__name__}: {exc}") from exc
+        raise SpecError(spec_name, _explain_body_error(exc)) from exc
 
     # New state values: item assignment on indexables, rebinding for plain scalar states.
     updates = {}
@@ -490,6 +503,52 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
     )
     _validate_expressions(spec)
     return spec
+
+
+_RELATIONALS = ("StrictGreaterThan", "GreaterThan", "StrictLessThan", "LessThan", "Equality",
+                "Unequality", "BooleanTrue", "BooleanFalse", "And", "Or", "Not")
+_BUILTIN_MAX_MIN = re.compile(r"(?<![\w.])(max|min)\s*\(")
+
+
+def _user_line(exc) -> str:
+    """The source line of the innermost frame outside sympy and mlx_recgen that ``exc`` passed
+    through (the body, or a helper it called), or ``""``."""
+    package = os.path.dirname(__file__)
+    skip = (os.path.dirname(sympy.__file__) + os.sep, package + os.sep)
+    specs = os.path.join(package, "specs") + os.sep  # bundled specs, in an installed wheel
+    line = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith(skip) or filename.startswith(specs):
+            line = linecache.getline(filename, tb.tb_lineno).strip()
+        tb = tb.tb_next
+    return line
+
+
+def _explain_body_error(exc) -> str:
+    """The message of a ``SpecError`` for an exception the body raised while traced: the
+    exception and, for plain Python applied to traced values, the spec language's answer."""
+    line = _user_line(exc)
+    where = f"`{line}`" if line else "the body"
+    message = str(exc)
+    if isinstance(exc, TypeError) and "truth value of Relational" in message:
+        match = _BUILTIN_MAX_MIN.search(line)
+        if match:
+            name = match.group(1)
+            return (f"{where} calls the builtin {name}() on traced values, which has to compare "
+                    f"them while tracing; use rg.{'maximum' if name == 'max' else 'minimum'}"
+                    f"(a, b)")
+        return (f"{where} branches on a traced value: a Python `if`, `and`, `or`, `not`, "
+                "conditional expression or chained comparison (`a < x < b`) needs a truth value "
+                "that is unknown while tracing; use rg.where(cond, a, b) for a data-dependent "
+                "branch")
+    if isinstance(exc, TypeError) and "unsupported operand" in message and (
+            any(f"'{r}'" in message for r in _RELATIONALS) or "'bool'" in message):
+        return (f"{where} uses a comparison as a number: a traced comparison is a condition, and "
+                "`==`/`!=` on traced values compare the expressions (a Python bool); use "
+                "rg.where(cond, a, b), e.g. rg.where(x > 0, 1.0, 0.0)")
+    return f"tracing the body failed: {type(exc).__name__}: {exc}"
 
 
 _NOT_REAL = {sympy.I: "the imaginary unit 'I'",

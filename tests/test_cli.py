@@ -189,3 +189,17 @@ def test_check_avoids_inputs_where_the_reference_gradient_is_nan():
 
     rows, description = cli.check(_spec(root), "mlx")
     assert cli.passed(rows) and "positive" in description
+
+
+def test_list_shows_every_spec_with_its_math(capsys):
+    rc, out, err = _main(capsys, "list")
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert len(lines) == 2 * len(rg.list_specs())
+    math = {line.split()[0]: line.split(None, 1)[1] for line in lines[::2]}
+    assert sorted(math) == sorted(rg.list_specs())
+    assert math["rglru"] == "h <- a * h + x;  y = h"
+    assert math["mlstm"] == ("m <- max(log f + m, i~);  C <- f' C + i' k v^T;  n <- f' n + i' k;  "
+                             "h = C^T q / max(|n^T q|, exp(-m))")
+    assert lines[lines.index(next(l for l in lines if l.startswith("s4d "))) + 1].strip() \
+        .startswith("S4D (Gu et al. 2022)")

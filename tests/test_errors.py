@@ -365,3 +365,113 @@ def test_tensor_names_must_be_identifiers():
         def num(h, a, x):
             h = a * h + x
             return {"1x": h}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain Python on traced values: the error names the spec language's answer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_python_branch_on_a_traced_value():
+    where = r"use rg\.where\(cond, a, b\) for a data-dependent branch"
+    with pytest.raises(rg.SpecError, match=r"spec 'pif': `if a > 0:` branches on a traced value: "
+                                           r"a Python `if`, `and`, .*" + where):
+        @rg.recurrence(**SCALAR)
+        def pif(h, a, x):
+            if a > 0:
+                h = a * h + x
+            else:
+                h = x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'pand': `h = a \* h \+ \(x if a > 0 and x > 0 "
+                                           r"else a\)` branches on a traced value.*" + where):
+        @rg.recurrence(**SCALAR)
+        def pand(h, a, x):
+            h = a * h + (x if a > 0 and x > 0 else a)
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'chain': .*`h = \(0 < a < 1\) \* h \+ x` "
+                                           r"branches on a traced value.*" + where):
+        @rg.recurrence(**SCALAR)
+        def chain(h, a, x):
+            h = (0 < a < 1) * h + x
+            return {"y": h}
+
+
+def test_builtin_max_and_min_on_traced_values():
+    with pytest.raises(rg.SpecError, match=r"spec 'bmax': `h = max\(a, x\) \* h \+ x` calls the "
+                                           r"builtin max\(\) on traced values.*use "
+                                           r"rg\.maximum\(a, b\)$"):
+        @rg.recurrence(**SCALAR)
+        def bmax(h, a, x):
+            h = max(a, x) * h + x
+            return {"y": h}
+
+    def clip(z):  # a helper called by the body: the message shows the helper's line
+        return min(z, 0.9)
+
+    with pytest.raises(rg.SpecError, match=r"spec 'bmin': `return min\(z, 0\.9\)` calls the "
+                                           r"builtin min\(\).*use rg\.minimum\(a, b\)$"):
+        @rg.recurrence(**SCALAR)
+        def bmin(h, a, x):
+            h = clip(a) * h + x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'vmax': .*builtin max\(\).*rg\.maximum"):
+        @rg.recurrence(**VECTOR)
+        def vmax(h, a, C, n):
+            h[n] = max(a, 0.5) * h[n] + C[n]
+            return {"y": Sum(C[n] * h[n], n)}
+
+
+def test_comparison_used_as_a_number():
+    with pytest.raises(rg.SpecError, match=r"spec 'cnum': `h = \(a > 0\) \* h \+ x` uses a "
+                                           r"comparison as a number.*rg\.where\(x > 0, 1\.0, "
+                                           r"0\.0\)"):
+        @rg.recurrence(**SCALAR)
+        def cnum(h, a, x):
+            h = (a > 0) * h + x
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'ceq': `h = a \* h \+ \(a == x\)` uses a "
+                                           r"comparison as a number: .*`==`/`!=` on traced values "
+                                           r"compare the expressions"):
+        @rg.recurrence(**SCALAR)
+        def ceq(h, a, x):
+            h = a * h + (a == x)
+            return {"y": h}
+
+
+def test_output_lacking_a_batch_axis_of_the_state():
+    """An axis that states carry and no output does is the state axis, not a batch axis; when the
+    author meant a batch axis, the error says that outputs must carry it."""
+    meant = r"if 'H' is a batch axis, every output must carry it"
+    with pytest.raises(rg.SpecError, match=r"spec 'sb': the body needs exactly one index "
+                                           r"parameter for the state axis 'H' \(after the "
+                                           r"tensors\), got \[\]; 'H' is the state axis because "
+                                           r"states carry it and no output does \(" + meant):
+        @rg.recurrence(lane="P", state={"h": "B H P"}, inputs={"a": "B L H P"},
+                       outputs={"y": "B L P"})
+        def sb(h, a):
+            h = a * h + 1
+            return {"y": h}
+    with pytest.raises(rg.SpecError, match=r"spec 'si': 'a' has index axes; use it as a\[\.\.\.\] "
+                                           r"in expressions \('a' carries the state axis 'H', an "
+                                           r"axis that no output carries; " + meant):
+        @rg.recurrence(lane="P", state={"h": "B H P"}, inputs={"a": "B L H P"},
+                       outputs={"y": "B L P"})
+        def si(h, a, n):
+            h[n] = a * h[n] + 1
+            return {"y": Sum(h[n], n)}
+    with pytest.raises(rg.SpecError, match=r"spec 'sn': states carry several state axes "
+                                           r"\['H', 'N'\].*a batch axis must be carried by every "
+                                           r"output"):
+        @rg.recurrence(lane="P", state={"h": "B H P N"}, inputs={"a": "B L H P"},
+                       outputs={"y": "B L P"})
+        def sn(h, a, n):
+            h[n] = a * h[n] + 1
+            return {"y": Sum(h[n], n)}
+    with pytest.raises(rg.SpecError, match=r"spec 'su': tensor 'a': unknown axis 'H' \(.*; batch "
+                                           r"axes are the ones the outputs carry\)"):
+        @rg.recurrence(lane="P", state={"h": "B P"}, inputs={"a": "B L H P"},
+                       outputs={"y": "B L P"})
+        def su(h, a):
+            h = a * h + 1
+            return {"y": h}
