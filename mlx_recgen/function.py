@@ -311,7 +311,24 @@ class Recurrence:
         return (*d_out, *d_fin, *d_res)
 
     def __call__(self, *args, initial_state=None, return_state=False, backend="auto", seg=None,
-                 schedule="auto", **kwargs):
+                 schedule="auto", group=None, **kwargs):
+        if group is not None:  # sequence parallelism: this rank's chunk of the time axis
+            from .distributed import call_distributed
+
+            return call_distributed(self, group, args, kwargs, initial_state=initial_state,
+                                    return_state=return_state, backend=backend, seg=seg,
+                                    schedule=schedule)
+        impl, seg, sizes, out_dtype, options, inputs, states = self._prepare(
+            args, kwargs, initial_state, backend, seg, schedule)
+        fn = self._function(impl, seg, sizes, out_dtype, options)
+        results = fn(*inputs, *states)
+        n_out, n_state = len(self.spec.outputs), len(self.spec.states)
+        return self._package(results[:n_out], results[n_out:n_out + n_state], return_state)
+
+    def _prepare(self, args, kwargs, initial_state, backend, seg, schedule):
+        """Checked arguments and the choices of one call: ``(backend implementation, seg,
+        sizes, output dtype, kernel options, inputs, initial states)``."""
+        kwargs = dict(kwargs)
         options = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
         if seg is not None:
@@ -322,16 +339,15 @@ class Recurrence:
         kind, seg = choose_schedule(self, sizes, schedule, seg, impl.name)
         if impl.name != "mlx":
             options["schedule"] = kind
-        fn = self._function(impl, seg, sizes, out_dtype, options)
-        results = fn(*inputs, *states)
-        n_out, n_state = len(self.spec.outputs), len(self.spec.states)
-        outs = results[:n_out]
-        out = outs[0] if n_out == 1 else tuple(outs)
+        return impl, seg, sizes, out_dtype, options, inputs, states
+
+    def _package(self, outs, finals, return_state):
+        """The call's results: the output (a tuple for several), then the final state (a dict
+        by name for several) when ``return_state``."""
+        out = outs[0] if len(outs) == 1 else tuple(outs)
         if not return_state:
             return out
-        finals = results[n_out:n_out + n_state]
-        final = finals[0] if n_state == 1 else dict(zip(self.spec.states, finals))
-        return out, final
+        return out, (finals[0] if len(finals) == 1 else dict(zip(self.spec.states, finals)))
 
     def reference(self, *args, initial_state=None, return_state=False, **kwargs):
         """The spec's traced expressions evaluated step by step on MLX arrays, independent of
