@@ -58,9 +58,13 @@ class Recurrence:
     Keyword-only options: ``initial_state`` (an array for a single state, else a dict by state
     name; zeros when omitted), ``return_state`` (also return the final state, fp32),
     ``backend`` (``"auto"``, ``"mlx"``, ``"metal"``, ``"metal-sim"``, ``"cuda"``), ``schedule``
-    (``"auto"``, ``"sequential"``, ``"chunked"``: see ``schedule.choose``) and ``seg``
+    (``"auto"``, ``"sequential"``, ``"chunked"``: see ``schedule.choose``), ``seg``
     (checkpoint every ``seg`` steps, which is also the chunk length of the chunked schedule;
-    chosen per call when omitted). Outputs are in the inputs' dtype; state is kept in fp32.
+    chosen per call when omitted) and ``group`` (an ``mx.distributed.Group``: the inputs are
+    this rank's chunk of the time axis of a sequence spread over the group's ranks in rank
+    order; the outputs are this chunk's, the final state is the state after the last rank's
+    chunk on every rank, and the backward is collective: see ``mlx_recgen.distributed``).
+    Outputs are in the inputs' dtype; state is kept in fp32.
     """
 
     def __init__(self, spec: Spec):

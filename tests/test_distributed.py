@@ -285,3 +285,10 @@ def test_errors():
         lambda y: rec(y, *inputs[1:], group=group, backend="mlx").sum())(x).sum())
     with pytest.raises(NotImplementedError, match="second derivative"):
         second(inputs[0])
+
+
+def test_readme_shows_the_example():
+    with open(os.path.join(HERE, "..", "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(HERE, "..", "examples", "sequence_parallel.py")) as f:
+        assert f.read() in readme
