@@ -52,7 +52,8 @@ that all ranks call the same recurrence with chunks that agree on every axis but
 mismatch raises on every rank instead of hanging); that check evaluates the previous call's
 collectives first. So every rank must make the same calls on the group in the same order, and
 every rank must evaluate (or differentiate) what its call returns, as with any collective.
-``mx.jvp``, ``mx.vmap`` and second derivatives are not supported with ``group=``.
+``mx.jvp``, ``mx.vmap`` and second derivatives raise ``NotImplementedError`` with ``group=``;
+``mx.compile`` is not supported either.
 """
 
 from __future__ import annotations
@@ -105,9 +106,14 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
         _exchange_headers(rec, group, None)  # the other ranks raise too, instead of hanging
         raise
     _check_chunks(rec, group, sizes)
+    checked = _LAST[id(group)]
     build = _affine_function if rec.time_parallel else _pipeline_function
-    fn = build(rec, group, impl, seg, sizes, out_dtype, options)
-    results = fn(*inputs, *states)
+    fn = build(rec, group, impl, seg, sizes, out_dtype, options, _Rules(group, checked))
+    try:
+        results = fn(*inputs, *states)
+    except Exception:  # its collectives are abandoned (alike on every rank): do not chain them
+        _LAST[id(group)] = checked
+        raise
     n_out, n_state = len(rec.spec.outputs), len(rec.spec.states)
     return rec._package(results[:n_out], results[n_out:n_out + n_state], return_state)
 
@@ -135,8 +141,11 @@ def _exchange_headers(rec, group, sizes):
             rest = zlib.crc32(repr(other[room - 1:]).encode()) & 0x7FFFFFFF
             other = other[:room - 1] + [rest]
         header[:3 + len(other)] = [1, _fingerprint(rec), sizes[spec.time], *other]
-    gathered = _collective(mx.distributed.all_gather, mx.array(header)[None], group)
-    return np.array(gathered).tolist()
+    gathered = np.array(_collective(mx.distributed.all_gather, mx.array(header)[None], group))
+    # Evaluated after every earlier collective: the next one may follow a constant instead,
+    # which also holds if this call fails under a transformation (whose arrays are tracers).
+    _LAST[id(group)] = (group, mx.array(gathered))
+    return gathered.tolist()
 
 
 def _check_chunks(rec, group, sizes):
@@ -376,30 +385,45 @@ class _Products:
 
 _NO_TRANSFORM = ("{what} is not supported for a call with group= (sequence parallelism): "
                  "use mx.grad / mx.vjp, or call without group=")
+_SECOND = "a second derivative (mx.grad or mx.jvp of a gradient)"
 
 
-def _refuse(what):
-    def refuse(*_):
-        raise NotImplementedError(_NO_TRANSFORM.format(what=what))
+class _Rules:
+    """The refusing transformation rules of one call. A refusal abandons the collectives that
+    the failed transformation created (alike on every rank), so the next collective on the
+    group follows the call's header instead (a constant, evaluated after everything before)."""
 
-    return refuse
+    def __init__(self, group, checked):
+        self.group, self.checked = group, checked
+        self.no_vmap = mx.custom_function(lambda *arrays: arrays)
+        self.no_vmap.vmap(self.refuse("mx.vmap"))
+
+    def refuse(self, what):
+        def rule(*_):
+            _LAST[id(self.group)] = self.checked
+            raise NotImplementedError(_NO_TRANSFORM.format(what=what))
+
+        return rule
+
+    def opaque(self, arrays):
+        """The arguments as a custom function's body uses them. MLX's jvp and vmap walk into
+        the body: the stop-gradient keeps jvp on the custom rule, and ``no_vmap`` meets vmap
+        first; both refuse with a clear error instead of failing in the body's collectives."""
+        return list(self.no_vmap(*[mx.stop_gradient(a) for a in arrays]))
+
+    def forward(self, fn):
+        fn.jvp(self.refuse("mx.jvp"))
+        fn.vmap(self.refuse("mx.vmap"))
+        return fn
+
+    def first_order(self, fn):
+        fn.vjp(self.refuse(_SECOND))
+        fn.jvp(self.refuse(_SECOND))
+        fn.vmap(self.refuse("mx.vmap"))
+        return fn
 
 
-def _opaque(arrays):
-    """The arguments as a custom function's body uses them: MLX's jvp and vmap walk into the
-    body, and the stop-gradient keeps them on the custom rules (which refuse with a clear
-    error) instead of on the body's collectives and kernels."""
-    return [mx.stop_gradient(a) for a in arrays]
-
-
-def _first_order(fn):
-    fn.vjp(_refuse("a second derivative (mx.grad or mx.jvp of a gradient)"))
-    fn.jvp(_refuse("a second derivative (mx.grad or mx.jvp of a gradient)"))
-    fn.vmap(_refuse("mx.vmap"))
-    return fn
-
-
-def _affine_function(rec, group, impl, seg, sizes, out_dtype, options):
+def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
     spec, form = rec.spec, rec.affine
     n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
     rank, size = group.rank(), group.size()
@@ -414,7 +438,7 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options):
 
     @mx.custom_function
     def forward(*arrays):
-        arrays = _opaque(arrays)
+        arrays = rules.opaque(arrays)
         inputs, init = list(arrays[:n_in]), list(arrays[n_in:])
         local_end = inner(*inputs, *states.zeros())[n_out:n_out + n_state]
         products = chunk_products(rec, inputs, sizes)
@@ -438,7 +462,7 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options):
 
     @mx.custom_function
     def backward(*arrays):
-        arrays, k = _opaque(arrays), 0
+        arrays, k = rules.opaque(arrays), 0
 
         def take(n):
             nonlocal k
@@ -468,19 +492,17 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options):
                   for g, x in zip(lam_start, init)]
         return tuple(mx.depends([*grads, *d_init], adjoints))
 
-    _first_order(backward)
+    rules.first_order(backward)
 
     @forward.vjp
     def forward_vjp(primals, cotangents, outputs):
         extra = list(outputs[n_out + n_state:])
         return backward(*primals, *extra, *cotangents[:n_out + n_state])
 
-    forward.jvp(_refuse("mx.jvp"))
-    forward.vmap(_refuse("mx.vmap"))
-    return forward
+    return rules.forward(forward)
 
 
-def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options):
+def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
     spec = rec.spec
     n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
     rank, size = group.rank(), group.size()
@@ -495,7 +517,7 @@ def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options):
 
     @mx.custom_function
     def forward(*arrays):
-        arrays = _opaque(arrays)
+        arrays = rules.opaque(arrays)
         inputs, init = list(arrays[:n_in]), list(arrays[n_in:])
         start = [x.astype(mx.float32) for x in init]
         for q in range(size):  # hand-over q: the state after rank q's chunk
@@ -513,7 +535,7 @@ def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options):
 
     @mx.custom_function
     def backward(*arrays):
-        arrays, k = _opaque(arrays), 0
+        arrays, k = rules.opaque(arrays), 0
 
         def take(n):
             nonlocal k
@@ -541,16 +563,14 @@ def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options):
                   for g, x in zip(lam_start, init)]
         return tuple(mx.depends([*grads, *d_init], last))
 
-    _first_order(backward)
+    rules.first_order(backward)
 
     @forward.vjp
     def forward_vjp(primals, cotangents, outputs):
         extra = list(outputs[n_out + n_state:])
         return backward(*primals, *extra, *cotangents[:n_out + n_state])
 
-    forward.jvp(_refuse("mx.jvp"))
-    forward.vmap(_refuse("mx.vmap"))
-    return forward
+    return rules.forward(forward)
 
 
 __all__ = ["call_distributed", "chunk_products"]

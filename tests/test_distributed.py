@@ -281,6 +281,8 @@ def test_errors():
     with pytest.raises(NotImplementedError, match="group="):
         mx.jvp(lambda x: rec(x, *inputs[1:], group=group, backend="mlx"), [inputs[0]],
                [inputs[0]])
+    with pytest.raises(NotImplementedError, match="vmap"):
+        mx.vmap(lambda *x: rec(*x, group=group, backend="mlx"))(*[mx.stack([x, x]) for x in inputs])
     second = mx.grad(lambda x: mx.grad(
         lambda y: rec(y, *inputs[1:], group=group, backend="mlx").sum())(x).sum())
     with pytest.raises(NotImplementedError, match="second derivative"):
