@@ -314,27 +314,20 @@ def chunk_products(rec, inputs, sizes, block_floats: int = PRODUCT_BLOCK_FLOATS)
         per_step += len(reductions) * int(np.prod(full))
     step_block = max(1, min(L, block_floats // max(1, per_step)))
 
-    total = None
+    total = None  # the product over the blocks of steps so far
     for start in range(0, L, step_block):
         stop = min(L, start + step_block)
         values = evaluate(start, stop)
         product = {}
         for b, block in enumerate(form.blocks):
+            k = block.size
             m = {(i, j): mx.broadcast_to(values[b, i, j], (stop - start, *shapes[b]))
-                 for i in range(block.size) for j in range(block.size)}
-            for (i, j), v in _tree_product(m, block.size).items():
-                product[b, i, j] = v
-        if total is None:
-            total = product
-        else:
-            total = {}
-            for b, block in enumerate(form.blocks):
-                k = block.size
-                later = {(i, j): product[b, i, j] for i in range(k) for j in range(k)}
-                earlier = {(i, j): previous[b, i, j] for i in range(k) for j in range(k)}
-                for key, v in _matmul(later, earlier, k).items():
-                    total[(b, *key)] = v
-        previous = total
+                 for i in range(k) for j in range(k)}
+            m = _tree_product(m, k)
+            if total is not None:  # later steps on the left
+                m = _matmul(m, {(i, j): total[b, i, j] for i in range(k) for j in range(k)}, k)
+            product.update({(b, i, j): v for (i, j), v in m.items()})
+        total = product
         if stop < L:
             mx.eval(list(total.values()))
     return total

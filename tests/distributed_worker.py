@@ -41,12 +41,14 @@ def decay(S, z, q, k, v, dt, A, w, i):
 
 
 @rg.recurrence(lane="P", state={"h": "B P 2"},
-               inputs={"a": "B L P", "om": "P", "x": "B L P 2"}, outputs={"y": "B L P"})
-def rot(h, a, om, x):
-    """A damped rotation-like map with a per-channel parameter: a 2x2 block."""
+               inputs={"a": "B L P", "c": "B L P", "om": "P", "x": "B L P 2"},
+               outputs={"y": "B L P"})
+def rot(h, a, c, om, x):
+    """A 2x2 block [[a, -om], [c, a]] with a per-channel parameter: its steps do not
+    commute, so the order of every product shows."""
     u, w = h[0], h[1]
-    h[0] = a * (u - om * w) + x[0]
-    h[1] = a * (om * u + w) + x[1]
+    h[0] = a * u - om * w + x[0]
+    h[1] = c * u + a * w + x[1]
     return {"y": h[0] * h[1]}
 
 
@@ -83,7 +85,8 @@ def make_case(case):
             x = x * 0.5
         return mx.array(x)
 
-    kinds = {"dt": "positive", "A": "positive", "a": "gate", "g": "gate", "w": "gate"}
+    kinds = {"dt": "positive", "A": "positive", "a": "gate", "g": "gate", "w": "gate",
+             "c": "gate", "om": "gate"}
     inputs = [draw(t, kinds.get(n)) for n, t in spec.inputs.items()]
     states = [draw(t, None) for t in spec.states.values()]
     weights = [draw(t, None) for t in spec.outputs.values()]

@@ -222,14 +222,23 @@ def worker_shape(t, sizes):
     return tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
 
 
-@pytest.mark.parametrize("name", ["decay", "rot", "gla", "ssd", "rotlru"])
-@pytest.mark.parametrize("block_floats", [1 << 24, 50])
+@rg.recurrence(lane="P", state={"h": "B P N"}, inputs={"k": "B L N", "v": "B L P"},
+               outputs={"y": "B L P"})
+def normdecay(h, k, v, n):
+    """A decay read from a state-free reduction over the state axis."""
+    h[n] = rg.exp(-rg.Sum(k[n] * k[n], n)) * h[n] + v * k[n]
+    return {"y": rg.Sum(h[n], n)}
+
+
+@pytest.mark.parametrize("name", ["decay", "rot", "gla", "ssd", "rotlru", "normdecay"])
+@pytest.mark.parametrize("block_floats", [1 << 24, 1])
 def test_chunk_products_match_forward_mode(name, block_floats):
     """The composed multiplier from the per-step multipliers equals the Jacobian of the
     chunk's final state in its initial state (forward mode), in blocks of steps too."""
     from mlx_recgen.layout import to_canonical
 
-    rec = worker.SPECS.get(name) or rg.load_spec(name)
+    rec = {"normdecay": normdecay, **worker.SPECS}.get(name) or rg.load_spec(name)
+    assert rec.time_parallel
     spec = rec.spec
     rng = np.random.RandomState(0)
     sizes = dict(worker.SIZES, L=11, D=4)
