@@ -72,18 +72,24 @@ HEADER_SIZE = 16
 # Floats of per-step multipliers evaluated at once; longer chunks are multiplied in blocks.
 PRODUCT_BLOCK_FLOATS = 1 << 24
 
-_LAST = {}  # id(group) -> (group, the last collective issued on it by this module)
+_LAST = {}  # _key(group) -> the last collective issued on the group by this module
+
+
+def _key(group):
+    """The group's key in ``_LAST``. ``mx.distributed.init()`` returns a new Python object for
+    the same group at every call, so groups are told apart by this process's rank in them and
+    their size."""
+    return group.rank(), group.size()
 
 
 def _collective(op, x, group):
     """``op(x, group=group)`` ordered after the previous collective of this module on
     ``group`` (a data dependency, so lazy evaluation cannot reorder them)."""
-    key = id(group)
-    last = _LAST.get(key)
+    last = _LAST.get(_key(group))
     if last is not None:
-        x = mx.depends(x, last[1])
+        x = mx.depends(x, last)
     y = op(x, group=group)
-    _LAST[key] = (group, y)
+    _LAST[_key(group)] = y
     return y
 
 
@@ -106,13 +112,13 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
         _exchange_headers(rec, group, None)  # the other ranks raise too, instead of hanging
         raise
     _check_chunks(rec, group, sizes)
-    checked = _LAST[id(group)]
+    checked = _LAST[_key(group)]
     build = _affine_function if rec.time_parallel else _pipeline_function
     fn = build(rec, group, impl, seg, sizes, out_dtype, options, _Rules(group, checked))
     try:
         results = fn(*inputs, *states)
     except Exception:  # its collectives are abandoned (alike on every rank): do not chain them
-        _LAST[id(group)] = checked
+        _LAST[_key(group)] = checked
         raise
     n_out, n_state = len(rec.spec.outputs), len(rec.spec.states)
     return rec._package(results[:n_out], results[n_out:n_out + n_state], return_state)
@@ -144,7 +150,7 @@ def _exchange_headers(rec, group, sizes):
     gathered = np.array(_collective(mx.distributed.all_gather, mx.array(header)[None], group))
     # Evaluated after every earlier collective: the next one may follow a constant instead,
     # which also holds if this call fails under a transformation (whose arrays are tracers).
-    _LAST[id(group)] = (group, mx.array(gathered))
+    _LAST[_key(group)] = mx.array(gathered)
     return gathered.tolist()
 
 
@@ -393,7 +399,7 @@ class _Rules:
 
     def refuse(self, what):
         def rule(*_):
-            _LAST[id(self.group)] = self.checked
+            _LAST[_key(self.group)] = self.checked
             raise NotImplementedError(_NO_TRANSFORM.format(what=what))
 
         return rule
@@ -551,7 +557,7 @@ def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
             handed = _collective(mx.distributed.all_sum, x, group)
             if q == rank + 1:
                 lam = handed
-        last = _LAST[id(group)][1]
+        last = _LAST[_key(group)]
         d_init = [(g if rank == 0 else mx.zeros_like(x)).astype(x.dtype)
                   for g, x in zip(lam_start, init)]
         return tuple(mx.depends([*grads, *d_init], last))
