@@ -361,7 +361,7 @@ def _apply(form, products: dict, h: dict, transpose: bool = False) -> dict:
 class _Products:
     """Product entries of every block as one flat fp32 vector, in a fixed order."""
 
-    def __init__(self, form, products: dict):
+    def __init__(self, products: dict):
         self.keys = list(products)
         self.shapes = {k: tuple(products[k].shape) for k in self.keys}
         self.size = sum(int(np.prod(s)) for s in self.shapes.values())
@@ -441,7 +441,7 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
         inputs, init = list(arrays[:n_in]), list(arrays[n_in:])
         local_end = inner(*inputs, *states.zeros())[n_out:n_out + n_state]
         products = chunk_products(rec, inputs, sizes)
-        layout["products"] = _Products(form, products)
+        layout["products"] = _Products(products)
         payload = mx.concatenate([layout["products"].flat(products),
                                   states.flat(states.canonical(local_end)),
                                   states.flat(states.canonical(init))])

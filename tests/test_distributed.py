@@ -29,6 +29,7 @@ import mlx_recgen as rg
 from conftest import rel_err
 from mlx_recgen.distributed import chunk_products
 from mlx_recgen.layout import to_canonical
+from mlx_recgen.spec import Slot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOL = 2e-5
@@ -191,7 +192,7 @@ def _jvp_products(rec, inputs, sizes):
         for t in spec.states.values():
             comps = []
             for c in range(t.components):
-                hot = any(b.size > j and b.slots[j] == rg.spec.Slot(t.name, c)
+                hot = any(b.size > j and b.slots[j] == Slot(t.name, c)
                           for b in rec.affine.blocks)
                 comps.append(1.0 if hot else 0.0)
             shape = worker_shape(t, sizes)
@@ -219,6 +220,7 @@ def _jvp_products(rec, inputs, sizes):
 
 
 def worker_shape(t, sizes):
+    """The declared shape of tensor ``t``."""
     return tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
 
 
@@ -235,8 +237,6 @@ def normdecay(h, k, v, n):
 def test_chunk_products_match_forward_mode(name, block_floats):
     """The composed multiplier from the per-step multipliers equals the Jacobian of the
     chunk's final state in its initial state (forward mode), in blocks of steps too."""
-    from mlx_recgen.layout import to_canonical
-
     rec = {"normdecay": normdecay, **worker.SPECS}.get(name) or rg.load_spec(name)
     assert rec.time_parallel
     spec = rec.spec
