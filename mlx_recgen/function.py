@@ -58,9 +58,13 @@ class Recurrence:
     Keyword-only options: ``initial_state`` (an array for a single state, else a dict by state
     name; zeros when omitted), ``return_state`` (also return the final state, fp32),
     ``backend`` (``"auto"``, ``"mlx"``, ``"metal"``, ``"metal-sim"``, ``"cuda"``), ``schedule``
-    (``"auto"``, ``"sequential"``, ``"chunked"``: see ``schedule.choose``) and ``seg``
+    (``"auto"``, ``"sequential"``, ``"chunked"``: see ``schedule.choose``), ``seg``
     (checkpoint every ``seg`` steps, which is also the chunk length of the chunked schedule;
-    chosen per call when omitted). Outputs are in the inputs' dtype; state is kept in fp32.
+    chosen per call when omitted) and ``group`` (an ``mx.distributed.Group``: the inputs are
+    this rank's chunk of the time axis of a sequence spread over the group's ranks in rank
+    order; the outputs are this chunk's, the final state is the state after the last rank's
+    chunk on every rank, and the backward is collective: see ``mlx_recgen.distributed``).
+    Outputs are in the inputs' dtype; state is kept in fp32.
     """
 
     def __init__(self, spec: Spec):
@@ -311,7 +315,24 @@ class Recurrence:
         return (*d_out, *d_fin, *d_res)
 
     def __call__(self, *args, initial_state=None, return_state=False, backend="auto", seg=None,
-                 schedule="auto", **kwargs):
+                 schedule="auto", group=None, **kwargs):
+        if group is not None:  # sequence parallelism: this rank's chunk of the time axis
+            from .distributed import call_distributed
+
+            return call_distributed(self, group, args, kwargs, initial_state=initial_state,
+                                    return_state=return_state, backend=backend, seg=seg,
+                                    schedule=schedule)
+        impl, seg, sizes, out_dtype, options, inputs, states = self._prepare(
+            args, kwargs, initial_state, backend, seg, schedule)
+        fn = self._function(impl, seg, sizes, out_dtype, options)
+        results = fn(*inputs, *states)
+        n_out, n_state = len(self.spec.outputs), len(self.spec.states)
+        return self._package(results[:n_out], results[n_out:n_out + n_state], return_state)
+
+    def _prepare(self, args, kwargs, initial_state, backend, seg, schedule):
+        """Checked arguments and the choices of one call: ``(backend implementation, seg,
+        sizes, output dtype, kernel options, inputs, initial states)``."""
+        kwargs = dict(kwargs)
         options = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
         if seg is not None:
@@ -322,16 +343,15 @@ class Recurrence:
         kind, seg = choose_schedule(self, sizes, schedule, seg, impl.name)
         if impl.name != "mlx":
             options["schedule"] = kind
-        fn = self._function(impl, seg, sizes, out_dtype, options)
-        results = fn(*inputs, *states)
-        n_out, n_state = len(self.spec.outputs), len(self.spec.states)
-        outs = results[:n_out]
-        out = outs[0] if n_out == 1 else tuple(outs)
+        return impl, seg, sizes, out_dtype, options, inputs, states
+
+    def _package(self, outs, finals, return_state):
+        """The call's results: the output (a tuple for several), then the final state (a dict
+        by name for several) when ``return_state``."""
+        out = outs[0] if len(outs) == 1 else tuple(outs)
         if not return_state:
             return out
-        finals = results[n_out:n_out + n_state]
-        final = finals[0] if n_state == 1 else dict(zip(self.spec.states, finals))
-        return out, final
+        return out, (finals[0] if len(finals) == 1 else dict(zip(self.spec.states, finals)))
 
     def reference(self, *args, initial_state=None, return_state=False, **kwargs):
         """The spec's traced expressions evaluated step by step on MLX arrays, independent of

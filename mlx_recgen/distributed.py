@@ -1,0 +1,575 @@
+"""Sequence parallelism: one sequence spread over the ranks of an ``mx.distributed`` group.
+
+``rec(*chunk, group=g)`` runs the recurrence over a sequence whose time axis is split into
+contiguous chunks, one per rank in rank order (chunks may differ in length; every other axis
+must agree). Each rank passes its own chunk and gets back the outputs of its chunk; the final
+state (``return_state=True``) is the state after the last rank's chunk, identical on every rank.
+``initial_state`` is the state before rank 0's chunk: every rank passes one of the same shape,
+and rank 0's is the one used. The backward is collective: every rank's gradients are those of
+the sum of all ranks' losses,
+
+* inputs with the time axis: the gradient for this rank's chunk;
+* parameters (inputs without the time axis) and the initial state: this rank's contribution;
+  their sum over ranks is the full gradient (``mx.distributed.all_sum``, as for data-parallel
+  gradients). The initial state's contribution is the whole gradient on rank 0 and zero on the
+  other ranks.
+
+Two algorithms, chosen by the affine analysis (``rec.time_parallel``):
+
+* **State-affine recurrences** (``h' = M h + b``): no rank waits for another's scan. Every rank
+  summarises its chunk: ``b_r``, its final state from a zero state (the backend's own forward),
+  and ``P_r = M_last ... M_first``, its composed multiplier, so that the chunk maps a start
+  state ``h`` to ``P_r h + b_r``. ``P_r`` is block-diagonal over (instance, lane, state element)
+  with the K x K blocks of ``rec.affine.blocks``; each entry ``M_t[i][j] = ∂h'_i/∂h_j`` depends on
+  the step's inputs only, so ``chunk_products`` evaluates the per-step multipliers of the whole
+  chunk at once with MLX ops and multiplies them in a pairwise tree over time (exact, no
+  recurrence, the same on every backend; it replaces the K forward-mode passes that would read
+  the columns of ``P_r`` off the tangent recurrence). One ``all_gather`` exchanges
+  ``(P_r, b_r)`` and the initial state; every rank folds ``h <- P_q h + b_q`` over the ranks
+  before it from rank 0's initial state (in fp32) to get its start state, and over all ranks to
+  get the final state, then runs its chunk from its start state. The backward mirrors it: every
+  rank computes its local adjoint ``λloc_r`` (the start-state cotangent of its chunk with a zero
+  final-state cotangent), one ``all_gather`` exchanges ``λloc_r`` and the final state's
+  cotangent, every rank folds ``λ_end_r = P_{r+1}ᵀ λ_end_{r+1} + λloc_{r+1}`` down from the last
+  rank, whose ``λ_end`` is the final state's cotangent summed over ranks (every rank returns the
+  final state), then runs its chunk's backward from ``λ_end_r``. Per rank that is two forward
+  and two backward passes over its chunk (one of each to summarise), all ranks at once.
+* **Other recurrences**: a pipeline, sequential across ranks. Rank ``r`` waits for the state at
+  the end of rank ``r - 1``'s chunk, runs its chunk and hands its end state on; the backward
+  hands the state adjoint from rank ``r + 1`` to rank ``r``. One forward and one backward pass
+  per rank, one rank at a time.
+
+Communication uses collectives only (``all_gather``, ``all_sum``): MLX's NCCL backend has no
+``send``/``recv``, so a pipeline hand-over is an ``all_sum`` to which only the sender contributes
+a nonzero term (exact: the other terms are zeros). Nothing depends on the backend of the group
+(ring, MPI, NCCL, JACCL).
+
+Ordering. Collectives pair up by their order on each rank, and MLX evaluates lazily: every
+collective of this module therefore depends on the previous one issued on the same group
+(``_collective``), so they run in the order they were created, the same on every rank when the
+ranks run the same program. Each call first checks, with one small blocking ``all_gather``,
+that all ranks call the same recurrence with chunks that agree on every axis but time (a
+mismatch raises on every rank instead of hanging); that check evaluates the previous call's
+collectives first. So every rank must make the same calls on the group in the same order, and
+every rank must evaluate (or differentiate) what its call returns, as with any collective.
+``mx.jvp``, ``mx.vmap`` and second derivatives raise ``NotImplementedError`` with ``group=``;
+``mx.compile`` is not supported either.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import mlx.core as mx
+import numpy as np
+
+from .affine import _with_dependencies
+from .backends.reference import Evaluator
+from .layout import declared_shape, from_canonical, to_canonical
+from .spec import Slot
+
+HEADER_SIZE = 16
+# Floats of per-step multipliers evaluated at once; longer chunks are multiplied in blocks.
+PRODUCT_BLOCK_FLOATS = 1 << 24
+
+_LAST = {}  # _key(group) -> the last collective issued on the group by this module
+
+
+def _key(group):
+    """The group's key in ``_LAST``. ``mx.distributed.init()`` returns a new Python object for
+    the same group at every call, so groups are told apart by this process's rank in them and
+    their size."""
+    return group.rank(), group.size()
+
+
+def _collective(op, x, group):
+    """``op(x, group=group)`` ordered after the previous collective of this module on
+    ``group`` (a data dependency, so lazy evaluation cannot reorder them)."""
+    last = _LAST.get(_key(group))
+    if last is not None:
+        x = mx.depends(x, last)
+    y = op(x, group=group)
+    _LAST[_key(group)] = y
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The call
+# ---------------------------------------------------------------------------------------------
+
+
+def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, backend, seg,
+                     schedule):
+    """``rec(*args, group=group, ...)``: this rank's chunk of a sequence spread over ``group``
+    (see the module docstring). Same arguments and results as a call without ``group``."""
+    if not isinstance(group, mx.distributed.Group):
+        raise TypeError(f"{rec.name}(): group must be an mx.distributed.Group (from "
+                        f"mx.distributed.init()), got {type(group).__name__}")
+    try:
+        impl, seg, sizes, out_dtype, options, inputs, states = rec._prepare(
+            args, kwargs, initial_state, backend, seg, schedule)
+    except Exception:
+        _exchange_headers(rec, group, None)  # the other ranks raise too, instead of hanging
+        raise
+    _check_chunks(rec, group, sizes)
+    checked = _LAST[_key(group)]
+    build = _affine_function if rec.time_parallel else _pipeline_function
+    fn = build(rec, group, impl, seg, sizes, out_dtype, options, _Rules(group, checked))
+    try:
+        results = fn(*inputs, *states)
+    except Exception:  # its collectives are abandoned (alike on every rank): do not chain them
+        _LAST[_key(group)] = checked
+        raise
+    n_out, n_state = len(rec.spec.outputs), len(rec.spec.states)
+    return rec._package(results[:n_out], results[n_out:n_out + n_state], return_state)
+
+
+def _other_axes(spec):
+    return [spec.lane, *spec.batch_axes] + ([spec.state_axis] if spec.state_axis else [])
+
+
+def _fingerprint(rec) -> int:
+    s = rec.spec
+    text = repr((s.name, s.time, s.lane, [(t.name, t.kind, t.axes) for t in s.tensors.values()],
+                 rec.time_parallel))
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def _exchange_headers(rec, group, sizes):
+    """Every rank's header (one blocking ``all_gather``): ``[ok, fingerprint, chunk length,
+    sizes of the other axes...]``; ``sizes`` is None on a rank whose arguments failed."""
+    header = np.zeros(HEADER_SIZE, dtype=np.int32)
+    if sizes is not None:
+        spec = rec.spec
+        other = [sizes[a] for a in _other_axes(spec)]
+        room = HEADER_SIZE - 3
+        if len(other) > room:  # keep the first ones, fold the rest into one checksum
+            rest = zlib.crc32(repr(other[room - 1:]).encode()) & 0x7FFFFFFF
+            other = other[:room - 1] + [rest]
+        header[:3 + len(other)] = [1, _fingerprint(rec), sizes[spec.time], *other]
+    gathered = np.array(_collective(mx.distributed.all_gather, mx.array(header)[None], group))
+    # Evaluated after every earlier collective: the next one may follow a constant instead,
+    # which also holds if this call fails under a transformation (whose arrays are tracers).
+    _LAST[_key(group)] = mx.array(gathered)
+    return gathered.tolist()
+
+
+def _check_chunks(rec, group, sizes):
+    spec = rec.spec
+    headers = _exchange_headers(rec, group, sizes)
+    failed = [q for q, h in enumerate(headers) if h[0] != 1]
+    if failed:
+        raise RuntimeError(f"{rec.name}(group=...): the arguments of rank(s) {failed} failed "
+                           "their checks (see the error raised there)")
+    if len({h[1] for h in headers}) > 1:
+        raise RuntimeError(f"{rec.name}(group=...): the ranks call different recurrences "
+                           "(every rank must call the same spec)")
+    mine = headers[group.rank()][3:]
+    bad = [q for q, h in enumerate(headers) if h[3:] != mine]
+    if bad:
+        axes = _other_axes(spec)
+
+        def text(h):
+            return ", ".join(f"{a}={n}" for a, n in zip(axes, h[3:]))
+
+        lines = "; ".join(f"rank {q}: {text(h)}" for q, h in enumerate(headers))
+        raise ValueError(f"{rec.name}(group=...): the ranks' chunks disagree on axes other than "
+                         f"the time axis {spec.time} ({lines}); each rank passes a chunk of the "
+                         "same sequence, which differs only in length")
+
+
+# ---------------------------------------------------------------------------------------------
+# States as flat fp32 vectors, through the canonical per-slot layout
+# ---------------------------------------------------------------------------------------------
+
+
+class _States:
+    """Converts states between the declared layout, canonical arrays by ``Slot`` (shape
+    ``(batch..., lane, state axis or 1)``, fp32) and flat vectors."""
+
+    def __init__(self, spec, sizes):
+        self.spec, self.sizes = spec, sizes
+        self.slots = spec.state_slots()
+        self.shapes = {}
+        for t in spec.states.values():
+            shape = tuple(sizes[a] if a in t.axes else 1 for a in
+                          [*spec.batch_axes, spec.lane, spec.state_axis or "__state__"])
+            for c in range(t.components):
+                self.shapes[Slot(t.name, c)] = shape
+        self.size = sum(int(np.prod(s)) for s in self.shapes.values())
+
+    def declared_shapes(self):
+        return [declared_shape(t, self.sizes) for t in self.spec.states.values()]
+
+    def canonical(self, states) -> dict:
+        out = {}
+        for t, x in zip(self.spec.states.values(), states):
+            for c, part in enumerate(to_canonical(self.spec, t, x.astype(mx.float32))):
+                out[Slot(t.name, c)] = mx.broadcast_to(part, self.shapes[Slot(t.name, c)])
+        return out
+
+    def declared(self, canonical: dict) -> list:
+        return [from_canonical(self.spec, t, [mx.broadcast_to(canonical[Slot(t.name, c)],
+                                                              self.shapes[Slot(t.name, c)])
+                                              for c in range(t.components)], False)
+                for t in self.spec.states.values()]
+
+    def flat(self, canonical: dict) -> mx.array:
+        return mx.concatenate([mx.broadcast_to(canonical[s], self.shapes[s]).reshape(-1)
+                               for s in self.slots])
+
+    def unflat(self, x) -> dict:
+        out, at = {}, 0
+        for s in self.slots:
+            n = int(np.prod(self.shapes[s]))
+            out[s] = x[at:at + n].reshape(self.shapes[s])
+            at += n
+        return out
+
+    def zeros(self) -> list:
+        return [mx.zeros(s, dtype=mx.float32) for s in self.declared_shapes()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk summaries of state-affine recurrences
+# ---------------------------------------------------------------------------------------------
+
+
+def _matmul(a: dict, b: dict, k: int) -> dict:
+    """Per-element product of K x K blocks given as ``{(i, j): array}``."""
+    out = {}
+    for i in range(k):
+        for j in range(k):
+            acc = a[i, 0] * b[0, j]
+            for m in range(1, k):
+                acc = acc + a[i, m] * b[m, j]
+            out[i, j] = acc
+    return out
+
+
+def _tree_product(m: dict, k: int) -> dict:
+    """``M_T ... M_1`` of per-step K x K blocks ``{(i, j): array with time first}``, earliest
+    step first, by pairwise products (a scalar block is one ``prod`` over time)."""
+    if k == 1:
+        return {(0, 0): mx.prod(m[0, 0], axis=0)}
+    while m[0, 0].shape[0] > 1:
+        if m[0, 0].shape[0] % 2:  # the identity after the last step
+            m = {(i, j): mx.concatenate([v, mx.full((1, *v.shape[1:]), float(i == j))])
+                 for (i, j), v in m.items()}
+        later = {key: v[1::2] for key, v in m.items()}
+        earlier = {key: v[0::2] for key, v in m.items()}
+        m = _matmul(later, earlier, k)
+    return {key: v[0] for key, v in m.items()}
+
+
+def chunk_products(rec, inputs, sizes, block_floats: int = PRODUCT_BLOCK_FLOATS) -> dict:
+    """The composed multiplier ``P = M_L ... M_1`` of a state-affine recurrence over a chunk:
+    ``{(block, i, j): array}`` in fp32, each of a shape that broadcasts against the canonical
+    state layout ``(batch..., lane, state axis or 1)``, so that the chunk maps a start state
+    ``h`` to ``P h + b`` (block by block, per element).
+
+    The per-step multipliers ``M_t[i][j] = ∂h'_i/∂h_j`` (``rec.affine.blocks``) are free of the
+    state: they are evaluated for the whole chunk at once with MLX ops (time first), then
+    multiplied, later steps on the left, in a pairwise tree over time. Chunks whose multipliers
+    exceed ``block_floats`` floats are taken in blocks of steps, each block evaluated before
+    the next."""
+    spec, form = rec.spec, rec.affine
+    if not form.time_parallel:
+        raise ValueError(f"{rec.name}: chunk products need a state-affine recurrence "
+                         f"({form.reason})")
+    nb, L = len(spec.batch_axes), sizes[spec.time]
+    entries = {(b, i, j): block.multiplier[i][j] for b, block in enumerate(form.blocks)
+               for i in range(block.size) for j in range(block.size)}
+    reads = set().union(*(e.free_symbols for e in entries.values()))
+    reductions = _with_dependencies(rec.ir.reductions, reads)
+    for r in reductions:
+        reads |= r.body.free_symbols
+    timed, fixed = {}, {}
+    for t, x in zip(spec.inputs.values(), inputs):
+        for c in range(t.components):
+            sym = spec.symbols[Slot(t.name, c)]
+            if sym not in reads:
+                continue
+            part = to_canonical(spec, t, x.astype(mx.float32))[c]
+            if t.has_time:
+                timed[sym] = mx.moveaxis(part, nb, 0)
+            else:
+                fixed[sym] = part[None]
+    full = (*[sizes[a] for a in spec.batch_axes], sizes[spec.lane],
+            sizes[spec.state_axis] if spec.state_axis else 1)
+
+    def evaluate(start, stop):
+        env = dict(fixed)
+        env.update({s: v[start:stop] for s, v in timed.items()})
+        ev = Evaluator(env, (stop - start, *full))
+        for r in reductions:  # ordered by level: a reduction reads only lower ones
+            body = mx.broadcast_to(_array(ev(r.body)), (stop - start, *full))
+            env[r.target] = mx.sum(body, axis=-1, keepdims=True)
+        return {key: _array(ev(e)) for key, e in entries.items()}
+
+    # the shape of each block's entries (one step, never evaluated: shapes are known lazily)
+    one = evaluate(0, 1)
+    shapes, per_step = {}, 0
+    for b, block in enumerate(form.blocks):
+        shape = np.broadcast_shapes(*[(1,) * (len(full) + 1)] +
+                                    [tuple(one[b, i, j].shape) for i in range(block.size)
+                                     for j in range(block.size)])[1:]
+        shapes[b] = shape
+        per_step += block.size ** 2 * int(np.prod(shape))
+    if reductions:
+        per_step += len(reductions) * int(np.prod(full))
+    step_block = max(1, min(L, block_floats // max(1, per_step)))
+
+    total = None  # the product over the blocks of steps so far
+    for start in range(0, L, step_block):
+        stop = min(L, start + step_block)
+        values = evaluate(start, stop)
+        product = {}
+        for b, block in enumerate(form.blocks):
+            k = block.size
+            m = {(i, j): mx.broadcast_to(values[b, i, j], (stop - start, *shapes[b]))
+                 for i in range(k) for j in range(k)}
+            m = _tree_product(m, k)
+            if total is not None:  # later steps on the left
+                m = _matmul(m, {(i, j): total[b, i, j] for i in range(k) for j in range(k)}, k)
+            product.update({(b, i, j): v for (i, j), v in m.items()})
+        total = product
+        if stop < L:
+            mx.eval(list(total.values()))
+    return total
+
+
+def _array(v):
+    """An evaluated value as an fp32 array (constants evaluate to Python floats)."""
+    return v.astype(mx.float32) if isinstance(v, mx.array) else mx.array(v, dtype=mx.float32)
+
+
+def _apply(form, products: dict, h: dict, transpose: bool = False) -> dict:
+    """``P h`` (or ``Pᵀ h``) block by block, per element."""
+    out = {}
+    for b, block in enumerate(form.blocks):
+        for i, si in enumerate(block.slots):
+            terms = [products[(b, j, i) if transpose else (b, i, j)] * h[sj]
+                     for j, sj in enumerate(block.slots)]
+            acc = terms[0]
+            for term in terms[1:]:
+                acc = acc + term
+            out[si] = acc
+    return out
+
+
+class _Products:
+    """Product entries of every block as one flat fp32 vector, in a fixed order."""
+
+    def __init__(self, products: dict):
+        self.keys = list(products)
+        self.shapes = {k: tuple(products[k].shape) for k in self.keys}
+        self.size = sum(int(np.prod(s)) for s in self.shapes.values())
+
+    def flat(self, products: dict) -> mx.array:
+        return mx.concatenate([products[k].astype(mx.float32).reshape(-1) for k in self.keys])
+
+    def unflat(self, x) -> dict:
+        out, at = {}, 0
+        for k in self.keys:
+            n = int(np.prod(self.shapes[k]))
+            out[k] = x[at:at + n].reshape(self.shapes[k])
+            at += n
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The two algorithms as custom functions
+# ---------------------------------------------------------------------------------------------
+
+_NO_TRANSFORM = ("{what} is not supported for a call with group= (sequence parallelism): "
+                 "use mx.grad / mx.vjp, or call without group=")
+_SECOND = "a second derivative (mx.grad or mx.jvp of a gradient)"
+
+
+class _Rules:
+    """The refusing transformation rules of one call. A refusal abandons the collectives that
+    the failed transformation created (alike on every rank), so the next collective on the
+    group follows the call's header instead (a constant, evaluated after everything before)."""
+
+    def __init__(self, group, checked):
+        self.group, self.checked = group, checked
+        self.no_vmap = mx.custom_function(lambda *arrays: arrays)
+        self.no_vmap.vmap(self.refuse("mx.vmap"))
+
+    def refuse(self, what):
+        def rule(*_):
+            _LAST[_key(self.group)] = self.checked
+            raise NotImplementedError(_NO_TRANSFORM.format(what=what))
+
+        return rule
+
+    def opaque(self, arrays):
+        """The arguments as a custom function's body uses them. MLX's jvp and vmap walk into
+        the body: the stop-gradient keeps jvp on the custom rule, and ``no_vmap`` meets vmap
+        first; both refuse with a clear error instead of failing in the body's collectives."""
+        return list(self.no_vmap(*[mx.stop_gradient(a) for a in arrays]))
+
+    def forward(self, fn):
+        fn.jvp(self.refuse("mx.jvp"))
+        fn.vmap(self.refuse("mx.vmap"))
+        return fn
+
+    def first_order(self, fn):
+        fn.vjp(self.refuse(_SECOND))
+        fn.jvp(self.refuse(_SECOND))
+        fn.vmap(self.refuse("mx.vmap"))
+        return fn
+
+
+def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
+    spec, form = rec.spec, rec.affine
+    n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
+    rank, size = group.rank(), group.size()
+    inner = rec._function(impl, seg, sizes, out_dtype, options)
+    states = _States(spec, sizes)
+    layout = {}  # the products' layout, fixed by the first evaluation (same on every rank)
+
+    def unpack_summary(row):
+        p = layout["products"]
+        return (p.unflat(row[:p.size]), states.unflat(row[p.size:p.size + states.size]),
+                states.unflat(row[p.size + states.size:]))
+
+    @mx.custom_function
+    def forward(*arrays):
+        arrays = rules.opaque(arrays)
+        inputs, init = list(arrays[:n_in]), list(arrays[n_in:])
+        local_end = inner(*inputs, *states.zeros())[n_out:n_out + n_state]
+        products = chunk_products(rec, inputs, sizes)
+        layout["products"] = _Products(products)
+        payload = mx.concatenate([layout["products"].flat(products),
+                                  states.flat(states.canonical(local_end)),
+                                  states.flat(states.canonical(init))])
+        gathered = _collective(mx.distributed.all_gather, payload[None], group)
+        h = unpack_summary(gathered[0])[2]  # rank 0's initial state
+        start = h
+        for q in range(size):
+            if q == rank:
+                start = h
+            p, b, _ = unpack_summary(gathered[q])
+            ph = _apply(form, p, h)
+            h = {s: ph[s] + b[s] for s in states.slots}
+        start = states.declared(start)
+        results = inner(*inputs, *start)
+        outs, residuals = results[:n_out], results[n_out + n_state:]
+        return (*outs, *states.declared(h), *start, gathered, *residuals)
+
+    @mx.custom_function
+    def backward(*arrays):
+        arrays, k = rules.opaque(arrays), 0
+
+        def take(n):
+            nonlocal k
+            k += n
+            return list(arrays[k - n:k])
+
+        inputs, init, start = take(n_in), take(n_state), take(n_state)
+        gathered, = take(1)
+        residuals = take(len(arrays) - k - n_out - n_state)
+        d_out, d_fin = take(n_out), take(n_state)
+        _, lam_local = impl.backward(inputs, start, residuals, d_out, states.zeros(), sizes,
+                                     seg, **options)
+        payload = mx.concatenate([states.flat(states.canonical(lam_local)),
+                                  states.flat(states.canonical(d_fin))])
+        adjoints = _collective(mx.distributed.all_gather, payload[None], group)
+        parts = [(states.unflat(adjoints[q, :states.size]), states.unflat(adjoints[q, states.size:]))
+                 for q in range(size)]
+        lam = parts[0][1]
+        for q in range(1, size):  # the final state's cotangent, summed over ranks in rank order
+            lam = {s: lam[s] + parts[q][1][s] for s in states.slots}
+        for q in range(size - 1, rank, -1):  # λ_end_{q-1} = P_qᵀ λ_end_q + λloc_q
+            pt = _apply(form, unpack_summary(gathered[q])[0], lam, transpose=True)
+            lam = {s: pt[s] + parts[q][0][s] for s in states.slots}
+        grads, lam_start = impl.backward(inputs, start, residuals, d_out, states.declared(lam),
+                                         sizes, seg, **options)
+        d_init = [(g if rank == 0 else mx.zeros_like(x)).astype(x.dtype)
+                  for g, x in zip(lam_start, init)]
+        return tuple(mx.depends([*grads, *d_init], adjoints))
+
+    rules.first_order(backward)
+
+    @forward.vjp
+    def forward_vjp(primals, cotangents, outputs):
+        extra = list(outputs[n_out + n_state:])
+        return backward(*primals, *extra, *cotangents[:n_out + n_state])
+
+    return rules.forward(forward)
+
+
+def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
+    spec = rec.spec
+    n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
+    rank, size = group.rank(), group.size()
+    inner = rec._function(impl, seg, sizes, out_dtype, options)
+    states = _States(spec, sizes)
+
+    def flat(declared):
+        return states.flat(states.canonical(declared))
+
+    def unflat(x):
+        return states.declared(states.unflat(x))
+
+    @mx.custom_function
+    def forward(*arrays):
+        arrays = rules.opaque(arrays)
+        inputs, init = list(arrays[:n_in]), list(arrays[n_in:])
+        start = [x.astype(mx.float32) for x in init]
+        for q in range(size):  # hand-over q: the state after rank q's chunk
+            if q == rank:
+                results = inner(*inputs, *start)
+                outs, residuals = results[:n_out], results[n_out + n_state:]
+                x = flat(results[n_out:n_out + n_state])
+            else:
+                x = mx.zeros((states.size,), dtype=mx.float32)
+            handed = _collective(mx.distributed.all_sum, x, group)
+            if q == rank - 1:
+                start = unflat(handed)
+        outs = mx.depends(list(outs), handed)
+        return (*outs, *unflat(handed), *start, handed, *residuals)
+
+    @mx.custom_function
+    def backward(*arrays):
+        arrays, k = rules.opaque(arrays), 0
+
+        def take(n):
+            nonlocal k
+            k += n
+            return list(arrays[k - n:k])
+
+        inputs, init, start = take(n_in), take(n_state), take(n_state)
+        take(1)  # the forward's last hand-over (ordering only)
+        residuals = take(len(arrays) - k - n_out - n_state)
+        d_out, d_fin = take(n_out), take(n_state)
+        lam = _collective(mx.distributed.all_sum, flat(d_fin), group)  # summed over ranks
+        grads = lam_start = None
+        for q in range(size - 1, -1, -1):  # hand-over q: the adjoint at the start of chunk q
+            if q == rank:
+                grads, lam_start = impl.backward(inputs, start, residuals, d_out, unflat(lam),
+                                                 sizes, seg, **options)
+            if q == 0:
+                break
+            x = flat(lam_start) if q == rank else mx.zeros((states.size,), dtype=mx.float32)
+            handed = _collective(mx.distributed.all_sum, x, group)
+            if q == rank + 1:
+                lam = handed
+        last = _LAST[_key(group)]
+        d_init = [(g if rank == 0 else mx.zeros_like(x)).astype(x.dtype)
+                  for g, x in zip(lam_start, init)]
+        return tuple(mx.depends([*grads, *d_init], last))
+
+    rules.first_order(backward)
+
+    @forward.vjp
+    def forward_vjp(primals, cotangents, outputs):
+        extra = list(outputs[n_out + n_state:])
+        return backward(*primals, *extra, *cotangents[:n_out + n_state])
+
+    return rules.forward(forward)
+
+
+__all__ = ["call_distributed", "chunk_products"]
