@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import cache as program_cache
 from .adjoint import derive
-from .ir import lower, schedule_forward
+from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
 from .spec import Spec
 
@@ -43,8 +44,19 @@ class Recurrence:
     def __init__(self, spec: Spec):
         self.spec = spec
         self.ir = lower(spec)
-        self.forward_program = schedule_forward(self.ir)
-        self.adjoint = derive(self.ir)
+        cached = program_cache.load(spec)
+        if cached is not None:
+            self.forward_program, self.adjoint = cached
+            # the names the derivation handed out stay taken, as after a derivation
+            self.ir.namer.taken |= {str(x) for p in (self.forward_program, self.adjoint.program)
+                                    for x in _assigned(p)}
+            self.ir.namer.taken |= {str(x) for d in (self.adjoint.output_cotangents,
+                                                     self.adjoint.state_cotangents)
+                                    for x in d.values()}
+        else:
+            self.forward_program = schedule_forward(self.ir)
+            self.adjoint = derive(self.ir)
+            program_cache.store(spec, self.forward_program, self.adjoint)
         self._backends = {}
         self._functions = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
@@ -249,6 +261,11 @@ class Recurrence:
         if not return_state:
             return out
         return out, (finals[0] if len(finals) == 1 else dict(zip(self.spec.states, finals)))
+
+
+def _assigned(program) -> set:
+    return {b.target for s in program.statements for b in (s.body if isinstance(s, Loop) else [s])
+            if hasattr(b, "target")}
 
 
 def default_backend() -> str:
