@@ -20,9 +20,10 @@ class MLXStep:
 
     source: str
     args: list  # sympy symbols, in call order
-    results: list  # (kind, slot), in return order
+    results: list  # (kind, slot) of each store, in return order; then the ``returns`` symbols
     fn: object
     needs_state_ones: bool  # first argument is ones over the state axis
+    returns: tuple = ()  # symbols returned after the stores
 
 
 def program_arguments(program: Program) -> list:
@@ -36,7 +37,9 @@ def program_arguments(program: Program) -> list:
     return sorted(free, key=str)
 
 
-def render_mlx(program: Program, name: str, args=None) -> MLXStep:
+def render_mlx(program: Program, name: str, args=None, returns=()) -> MLXStep:
+    """``program`` as an MLX function of ``args`` (default: what it reads, by name) returning
+    its stores in order, then the values of the symbols ``returns``."""
     args = program_arguments(program) if args is None else args
     names = {s: f"{s}_" for s in args}  # suffix keeps spec names clear of Python's (`lambda`)
     pr = MLXPrinter(names)
@@ -70,10 +73,11 @@ def render_mlx(program: Program, name: str, args=None) -> MLXStep:
                 emit(b)
         else:
             emit(st)
-    ret = ", ".join(f"out{i}" for i in range(len(results)))
+    ret = ", ".join([f"out{i}" for i in range(len(results))] + [ident(r) for r in returns])
+    n_ret = len(results) + len(returns)
     params = (["state_ones_"] if ones else []) + [names[s] for s in args]
     source = (f"def {name}({', '.join(params)}):\n" + "\n".join(lines)
-              + f"\n    return ({ret}{',' if len(results) == 1 else ''})\n")
+              + f"\n    return ({ret}{',' if n_ret == 1 else ''})\n")
     scope = {"mx": mx}
     exec(compile(source, f"<mlx-recgen {name}>", "exec"), scope)
-    return MLXStep(source, list(args), results, scope[name], ones)
+    return MLXStep(source, list(args), results, scope[name], ones, tuple(returns))
