@@ -142,26 +142,38 @@ class SequentialForm:
     def _rank(self) -> int:
         return len(self.rec.spec.batch_axes) + 3
 
-    def _run_chain(self, chain: _Chain, carry: dict, block: _Block, env: dict, per_step: dict):
+    def _run_chain(self, chain: _Chain, carry: dict, block: _Block, env: dict, per_step: dict,
+                   final: bool = True):
         """Run a carry chain over the steps of ``block``. ``env`` holds block values besides the
         block's own (with a time axis), ``per_step`` lists of per-step values. Returns the
-        carries that entered each step, in time order, and the carry after the chain."""
+        carries that entered each step, in time order, and (with ``final``) the carry after the
+        chain."""
         steps, rank = block.steps, self._rank()
         pre = self._call(chain.pre, env, block)
         slices = {s: _split_steps(v, steps, rank) for s, v in zip(chain.phases.pre_values, pre)}
+        position = {s: i for i, s in enumerate(chain.carry)}
+        columns = [] if not chain.sweep.needs_state_ones else [(None, [block.ones] * steps)]
         for sym in chain.sweep.args:
-            if sym not in chain.phases.carry and sym not in slices:
-                slices[sym] = per_step[sym] if sym in per_step else _split_steps(
-                    env[sym] if sym in env else block.values[self.table.key[sym][1]], steps, rank)
-        shapes = {s: v.shape for s, v in carry.items()}
+            if sym in position:
+                columns.append((position[sym], None))
+            elif sym in slices:
+                columns.append((None, slices[sym]))
+            else:
+                columns.append((None, per_step[sym] if sym in per_step else _split_steps(
+                    env[sym] if sym in env else block.values[self.table.key[sym][1]], steps, rank)))
+        state = [carry[s] for s in chain.carry]
+        shapes = [x.shape for x in state]
+        fn = chain.sweep.fn
+        order = list(reversed(range(steps)) if chain.reverse else range(steps))
         entered = [None] * steps
-        for j in (reversed(range(steps)) if chain.reverse else range(steps)):
-            entered[j] = carry
-            step_env = dict(carry)
-            step_env.update({s: v[j] for s, v in slices.items()})
-            new = self._call(chain.sweep, step_env, block)
-            carry = {s: _fit(v, shapes[s]) for s, v in zip(chain.carry, new)}
-        return entered, carry
+        for j in order:
+            entered[j] = state
+            if j == order[-1] and not final:
+                break
+            new = fn(*[state[i] if i is not None else col[j] for i, col in columns])
+            state = [_fit(x, sh) for x, sh in zip(new, shapes)]
+        entered = [dict(zip(chain.carry, c)) for c in entered]
+        return entered, (dict(zip(chain.carry, state)) if final else None)
 
     def _stacked(self, entered: list, symbols) -> dict:
         return {s: _concat([c[s] for c in entered]) for s in symbols}
@@ -256,7 +268,7 @@ class SequentialForm:
         for s in reversed(range(-(-L // seg))):
             block = self._block(values, s * seg, min(L, (s + 1) * seg), ones)
             carry = {sym: checkpoints[sym][s:s + 1] for sym in table.states}
-            entered, _ = self._run_chain(self.forward_chain, carry, block, {}, {})
+            entered, _ = self._run_chain(self.forward_chain, carry, block, {}, {}, final=False)
             lam, grads = self._backward_segment(entered, lam, block, sizes)
             for key, g in grads.items():
                 if spec.inputs[key[0]].has_time:
