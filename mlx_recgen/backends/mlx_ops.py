@@ -18,7 +18,7 @@ of a call is chosen. There is one form today:
 
 Under ``mx.grad``, ``mx.vmap`` and inside any VJP, MLX traces every array and runs an
 ``mx.compile``d function as plain ops, so the ops per step are what counts there; a call outside
-any transform runs each forward segment as one compiled function.
+any transform runs each forward segment as compiled calls of at most ``unroll`` steps.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ class SequentialForm:
     """Step by step within a segment; per segment, the ``pre`` and ``post`` phases batched."""
 
     name = "sequential"
+    unroll = 64  # the most steps one compiled forward call unrolls (a segment may be longer)
 
     def __init__(self, rec, table: _Symbols):
         self.rec, self.table = rec, table
@@ -241,12 +242,13 @@ class SequentialForm:
         checkpoints, blocks = [], [[] for _ in range(n_out)]
         for start in range(0, L, seg):
             checkpoints.append(carry)
-            block = self._block(values, start, min(L, start + seg), None)
-            res = self._compiled_segment(keys, frozen_sizes, *(carry[s] for s in table.states),
-                                         *(block.values[k] for k in keys))
-            for i in range(n_out):
-                blocks[i].append(res[i])
-            carry = dict(zip(table.states, res[n_out:]))
+            for lo in range(start, min(L, start + seg), self.unroll):
+                block = self._block(values, lo, min(L, start + seg, lo + self.unroll), None)
+                res = self._compiled_segment(keys, frozen_sizes, *(carry[s] for s in table.states),
+                                             *(block.values[k] for k in keys))
+                for i in range(n_out):
+                    blocks[i].append(res[i])
+                carry = dict(zip(table.states, res[n_out:]))
         parts = {(slot.tensor, slot.component): _concat(bs)
                  for (_, slot), bs in zip(self.forward_chain.post.results, blocks)}
         outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
