@@ -44,22 +44,25 @@ class Recurrence:
     def __init__(self, spec: Spec):
         self.spec = spec
         self.ir = lower(spec)
-        cached = program_cache.load(spec)
-        if cached is not None:
-            self.forward_program, self.adjoint = cached
-            # the names the derivation handed out stay taken, as after a derivation
-            self.ir.namer.taken |= {str(x) for p in (self.forward_program, self.adjoint.program)
-                                    for x in _assigned(p)}
-            self.ir.namer.taken |= {str(x) for d in (self.adjoint.output_cotangents,
-                                                     self.adjoint.state_cotangents)
-                                    for x in d.values()}
-        else:
-            self.forward_program = schedule_forward(self.ir)
-            self.adjoint = derive(self.ir)
-            program_cache.store(spec, self.forward_program, self.adjoint)
+        self.forward_program, self.adjoint = self._programs()
         self._backends = {}
         self._functions = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
+
+    def _programs(self):
+        """The forward program and the adjoint: from the program cache, else derived (and
+        cached)."""
+        cached = program_cache.load(self.spec)
+        if cached is None:
+            forward, adjoint = schedule_forward(self.ir), derive(self.ir)
+            program_cache.store(self.spec, forward, adjoint)
+            return forward, adjoint
+        forward, adjoint = cached
+        # the names a derivation hands out stay taken, as after deriving
+        self.ir.namer.taken |= {str(x) for p in (forward, adjoint.program) for x in _assigned(p)}
+        self.ir.namer.taken |= {str(x) for d in (adjoint.output_cotangents, adjoint.state_cotangents)
+                                for x in d.values()}
+        return forward, adjoint
 
     @property
     def name(self) -> str:

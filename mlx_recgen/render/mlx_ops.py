@@ -20,7 +20,7 @@ class MLXStep:
 
     source: str
     args: list  # sympy symbols, in call order
-    results: list  # (kind, slot) of each store, in return order; then the ``returns`` symbols
+    results: list  # (kind, slot) of each store, in return order (``returns`` values follow)
     fn: object
     needs_state_ones: bool  # first argument is ones over the state axis
     returns: tuple = ()  # symbols returned after the stores
