@@ -7,7 +7,8 @@ of forward+backward (``mx.get_peak_memory``), for
   * ``kernel``: the generated kernels (``--backend``),
   * ``loop``: ``rec.reference`` — the per-step MLX loop, differentiated by MLX autodiff, which
     keeps every state for the backward,
-  * ``mlx``: the pure-MLX backend (checkpointed, per-step MLX ops).
+  * ``mlx``: the pure-MLX backend (checkpointed; the state chain step by step, the rest per
+    segment).
 Ratios are measured in one run on one device. The forward kernel's achieved bandwidth (bytes of
 inputs, outputs and checkpoints over time) is put beside the device's measured copy bandwidth.
 """

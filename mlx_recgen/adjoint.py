@@ -21,6 +21,7 @@ import sympy
 
 from .ir import (Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, free_symbols,
                  loop_symbols, schedule_forward)
+from .simplify import simplify_derivative
 
 
 @dataclass
@@ -32,20 +33,8 @@ class Adjoint:
     state_cotangents: dict  # state Slot -> symbol λ (vector for vector states)
 
 
-def _simplify(e):
-    """A cheap simplification: keep sympy's result only when it is not larger.
-
-    Expressions with a ``Piecewise`` (``where``, ``maximum``, ``minimum``) are kept as they are:
-    simplifying their conditions makes sympy compare expressions at random numeric points, which
-    takes tens of seconds for a step with a few of them (the stabilised mLSTM's running max)."""
-    if e == 0 or sympy.count_ops(e) > 30 or e.has(sympy.Piecewise):
-        return e
-    s = sympy.simplify(e)
-    return s if sympy.count_ops(s) <= sympy.count_ops(e) else e
-
-
 def _grad(e, z):
-    return _simplify(sympy.diff(e, z)) if z in e.free_symbols else sympy.Integer(0)
+    return simplify_derivative(sympy.diff(e, z)) if z in e.free_symbols else sympy.Integer(0)
 
 
 def derive(ir: StepIR) -> Adjoint:

@@ -13,9 +13,10 @@ import operator
 
 import mlx.core as mx
 
+from . import cache as program_cache
 from .adjoint import derive
 from .affine import analyse
-from .ir import lower, schedule_forward
+from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
 from .schedule import choose as choose_schedule
 from .spec import Spec
@@ -70,16 +71,26 @@ class Recurrence:
     def __init__(self, spec: Spec):
         self.spec = spec
         self.ir = lower(spec)
-        self.forward_program = schedule_forward(self.ir)
+        self.forward_program, self.adjoint = self._programs()
         self.affine = analyse(self.ir)
         self._backends = {}
         self._functions = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
 
-    @functools.cached_property
-    def adjoint(self):
-        """The derived backward step (``mlx_recgen.adjoint``), on first use."""
-        return derive(self.ir)
+    def _programs(self):
+        """The forward program and the adjoint: from the program cache, else derived (and
+        cached)."""
+        cached = program_cache.load(self.spec)
+        if cached is None:
+            forward, adjoint = schedule_forward(self.ir), derive(self.ir)
+            program_cache.store(self.spec, forward, adjoint)
+            return forward, adjoint
+        forward, adjoint = cached
+        # the names a derivation hands out stay taken, as after deriving
+        self.ir.namer.taken |= {str(x) for p in (forward, adjoint.program) for x in _assigned(p)}
+        self.ir.namer.taken |= {str(x) for d in (adjoint.output_cotangents, adjoint.state_cotangents)
+                                for x in d.values()}
+        return forward, adjoint
 
     @property
     def name(self) -> str:
@@ -260,6 +271,19 @@ class Recurrence:
         kernel_backward = _first_order_only(backend, n_in, n_out, n_state, sizes, seg, options) \
             if kernel else None
 
+        if not kernel:
+            def plain(*arrays):  # the body without the stop-gradient, open to MLX's transforms
+                inputs, states = list(arrays[:n_in]), list(arrays[n_in:])
+                outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype)
+                return (*outs, *finals, *residuals)
+
+            @fn.vmap
+            def fn_vmap(arrays, axes):
+                # MLX vmaps a custom function by vmapping its body, where the stop-gradient would
+                # cut mx.grad of the vmapped call: vmap the plain body instead
+                outs = mx.vmap(plain, in_axes=tuple(axes))(*arrays)
+                return outs, (0,) * len(outs)
+
         @fn.vjp
         def fn_vjp(primals, cotangents, outputs):
             inputs, states = list(primals[:n_in]), list(primals[n_in:])
@@ -423,6 +447,10 @@ def _first_order_only(backend, n_in, n_out, n_state, sizes, seg, schedule):
     backward.vjp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
     backward.jvp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
     return backward
+
+def _assigned(program) -> set:
+    return {b.target for s in program.statements for b in (s.body if isinstance(s, Loop) else [s])
+            if hasattr(b, "target")}
 
 
 def default_backend() -> str:

@@ -77,3 +77,29 @@ def reduce_to(x: mx.array, shape: tuple) -> mx.array:
     if tuple(x.shape) != tuple(shape):
         x = mx.broadcast_to(x, shape)
     return x
+
+
+def to_time_major(spec: Spec, t: Tensor, x: mx.array) -> list:
+    """Declared-layout array -> one canonical array per component, with the time axis (if the
+    tensor has it) moved to the front: ``(time, batch axes..., lane, state axis)``."""
+    parts = to_canonical(spec, t, x)
+    if t.has_time:
+        parts = [mx.moveaxis(p, len(spec.batch_axes), 0) for p in parts]
+    return parts
+
+
+def from_time_major(spec: Spec, t: Tensor, parts: list, reduce_missing: bool) -> mx.array:
+    """The inverse of ``to_time_major`` (see ``from_canonical``)."""
+    if t.has_time:
+        parts = [mx.moveaxis(p, 0, len(spec.batch_axes)) for p in parts]
+    return from_canonical(spec, t, parts, reduce_missing)
+
+
+def sum_to(x, shape: tuple) -> mx.array:
+    """``x`` summed over its extra leading axes and over the axes where ``shape`` has size 1,
+    then broadcast to ``shape`` (undo broadcasting both ways)."""
+    x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
+    extra = x.ndim - len(shape)
+    if extra > 0:
+        x = mx.sum(x, axis=list(range(extra)))
+    return reduce_to(x, shape)

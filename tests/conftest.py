@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import mlx.core as mx
 import numpy as np
@@ -8,6 +11,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Every spec of the suite is derived afresh: a program cache of this session only.
+_CACHE = tempfile.mkdtemp(prefix="mlx-recgen-test-cache-")
+os.environ["MLX_RECGEN_CACHE"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

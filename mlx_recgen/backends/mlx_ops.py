@@ -1,20 +1,341 @@
-"""The pure-MLX backend: the rendered step programs run with MLX ops, one call per time step.
+"""The pure-MLX backend: the step programs run with MLX ops, on any MLX device.
 
-It runs on any MLX device (the Linux CPU included). It is not the reference: ``rec.reference``
-evaluates the traced spec directly, without the rendered programs (``backends/reference.py``).
-Forward keeps only the state at the start of every segment; backward walks segments newest to
-oldest, recomputes the segment's states from its checkpoint with the same step function (so the
-recomputed states are bit-identical), then sweeps the derived adjoint over the segment.
+It is the reference the kernels are held to, and the backend of machines without Metal or CUDA
+(the Linux CPU included). Forward keeps only the state at the start of every segment of ``seg``
+steps; backward walks the segments newest to oldest, recomputes the segment's states from its
+checkpoint with the forward's own functions (so they are bit-identical), then sweeps the derived
+adjoint over the segment.
+
+How the time loop is computed is a *form*; ``MLXBackend.form`` is the one place where the form
+of a call is chosen. There is one form today:
+
+* ``SequentialForm``, for any spec. Each step program is split (``phases.split``) around its
+  carry (the state forward, ``λ`` backward): only the carry chain runs step by step, with as few
+  MLX ops per step as the chain needs; the carry-free part of the chain (``pre``) and everything
+  that is not the carry (``post``: outputs, input gradients and their reductions over lanes and
+  batch) run once per segment on arrays with a leading time axis. Inputs are laid out time-major
+  once per call, so a segment is one slice and its steps one split.
+
+Under ``mx.grad``, ``mx.vmap`` and inside any VJP, MLX traces every array and runs an
+``mx.compile``d function as plain ops, so the ops per step are what counts there; a call outside
+any transform runs each forward segment as compiled calls of at most ``unroll`` steps.
 """
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..layout import canonical_shape, from_canonical, reduce_to, to_canonical
-from ..render.mlx_ops import render_mlx
+from ..layout import canonical_shape, from_time_major, sum_to, to_time_major
+from ..phases import Phases, split
+from ..render.mlx_ops import MLXStep, render_mlx
+
+
+class _Symbols:
+    """Where each symbol of the step programs comes from, and its canonical step shape."""
+
+    def __init__(self, rec):
+        spec = self.spec = rec.spec
+        self.key = {}  # symbol -> (kind, (tensor, component))
+        for slot, sym in spec.symbols.items():
+            kind = "state" if slot.tensor in spec.states else "input"
+            self.key[sym] = (kind, (slot.tensor, slot.component))
+        for slot, sym in rec.adjoint.output_cotangents.items():
+            self.key[sym] = ("d_output", (slot.tensor, slot.component))
+        for slot, sym in rec.adjoint.state_cotangents.items():
+            self.key[sym] = ("d_state", (slot.tensor, slot.component))
+        self.states = [spec.symbols[s] for s in spec.state_slots()]
+        self.lambdas = [rec.adjoint.state_cotangents[s] for s in spec.state_slots()]
+        self.state_of = dict(zip(self.lambdas, self.states))
+
+    def step_shape(self, sym, sizes) -> tuple:
+        """The canonical shape of one step of ``sym`` (no time axis)."""
+        sym = self.state_of.get(sym, sym)
+        _, (tensor, _) = self.key[sym]
+        return canonical_shape(self.spec, self.spec.tensors[tensor], sizes, with_time=False)
+
+    def timed(self, sym) -> bool:
+        kind, (tensor, _) = self.key[sym]
+        return kind != "input" or self.spec.inputs[tensor].has_time
+
+
+@dataclass
+class _Block:
+    """The arrays of a run of ``steps`` steps, by (tensor, component): per-step values with a
+    leading time axis, parameters without; ``ones`` spans the state axis."""
+
+    values: dict
+    steps: int
+    ones: mx.array
+
+
+@dataclass
+class _Chain:
+    """A split step program and its rendered phases."""
+
+    phases: Phases
+    pre: MLXStep
+    sweep: MLXStep
+    post: MLXStep
+    carry: list  # the carry symbols, in the order of the sweep's stores
+    reverse: bool  # the chain runs from the last step to the first (the adjoint)
+
+
+def _split_steps(x, steps: int, rank: int) -> list:
+    """Per-step slices of ``x`` (``rank`` axes with the time axis), or ``x`` for every step."""
+    if not isinstance(x, mx.array) or x.ndim < rank:
+        return [x] * steps
+    return [x] if steps == 1 else mx.split(x, steps, axis=0)
+
+
+def _fit(x, shape) -> mx.array:
+    x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
+    return x if tuple(x.shape) == tuple(shape) else mx.broadcast_to(x, shape)
+
+
+def _concat(xs: list) -> mx.array:
+    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
+
+
+def _after(carry: dict, results) -> dict:
+    """``carry`` unchanged, but computed after ``results``. MLX evaluates a lazy graph from its
+    outputs: a segment's results, used only at the very end, would wait for every later
+    segment and keep every segment's working arrays alive together. A select on a false
+    condition is exact whatever it reads (no ``0 * x``: x may be inf) and, unlike
+    ``mx.depends``, it vmaps."""
+    probes = [r.reshape(-1)[:1] for r in results if isinstance(r, mx.array)]
+    if not probes:
+        return carry
+    probe = probes[0] if len(probes) == 1 else mx.concatenate(probes)[:1]
+    never = mx.array(False)
+    return {s: mx.where(never, probe.astype(v.dtype), v) for s, v in carry.items()}
+
+
+def _write(buffer, block, start: int, length: int):
+    """``block`` written at ``start`` along the time axis of ``buffer`` (a zero buffer of
+    ``length`` steps when ``buffer`` is None). Blocks are chained into one buffer rather than
+    concatenated at the end, so that MLX evaluates each segment's results as soon as the
+    segment is done and frees its working arrays (a final concatenation would keep every
+    segment's inputs alive until all segments are computed)."""
+    if buffer is None:
+        if block.shape[0] == length:
+            return block
+        buffer = mx.zeros((length, *block.shape[1:]), dtype=block.dtype)
+    return mx.slice_update(buffer, block, mx.array([start]), axes=(0,))
+
+
+class SequentialForm:
+    """Step by step within a segment; per segment, the ``pre`` and ``post`` phases batched."""
+
+    name = "sequential"
+    unroll = 64  # the most steps one compiled forward call unrolls (a segment may be longer)
+
+    def __init__(self, rec, table: _Symbols):
+        self.rec, self.table = rec, table
+        spec, namer = rec.spec, rec.ir.namer
+        fwd = split(rec.forward_program, table.states, "state", namer)
+        bwd = split(rec.adjoint.program, table.lambdas, "lambda", namer)
+        self.forward_chain = self._chain(fwd, "forward", spec.symbols, reverse=False)
+        self.backward_chain = self._chain(bwd, "backward", rec.adjoint.state_cotangents,
+                                          reverse=True)
+        self._compiled_block = mx.compile(self._forward_block_arrays)
+
+    @staticmethod
+    def _chain(phases, name, symbol_of_slot, reverse) -> _Chain:
+        sweep = render_mlx(phases.sweep, f"{name}_sweep")
+        return _Chain(phases, render_mlx(phases.pre, f"{name}_pre", returns=phases.pre_values),
+                      sweep, render_mlx(phases.post, f"{name}_post"),
+                      [symbol_of_slot[slot] for _, slot in sweep.results], reverse)
+
+    def sources(self) -> str:
+        """The rendered phases, for inspection."""
+        return "\n".join(c.source for ch in (self.forward_chain, self.backward_chain)
+                         for c in (ch.pre, ch.sweep, ch.post))
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _call(self, step: MLXStep, env: dict, block: _Block):
+        """Call a rendered phase, its arguments from ``env``, else from ``block``."""
+        args = [block.ones] if step.needs_state_ones else []
+        for sym in step.args:
+            args.append(env[sym] if sym in env else block.values[self.table.key[sym][1]])
+        return step.fn(*args)
+
+    def _slice(self, values: dict, start: int, end: int, ones) -> _Block:
+        """The block of steps [start, end) of the call's arrays."""
+        spec = self.rec.spec
+        timed = {k for k in values if k[0] not in spec.inputs or spec.inputs[k[0]].has_time}
+        return _Block({k: x[start:end] if k in timed else x for k, x in values.items()},
+                      end - start, ones)
+
+    def _rank(self) -> int:
+        return len(self.rec.spec.batch_axes) + 3
+
+    def _run_chain(self, chain: _Chain, carry: dict, block: _Block, env: dict, per_step: dict,
+                   final: bool = True):
+        """Run a carry chain over the steps of ``block``. ``env`` holds block values besides the
+        block's own (with a time axis), ``per_step`` lists of per-step values. Returns the
+        carries that entered each step, in time order, and (with ``final``) the carry after the
+        chain."""
+        steps, rank = block.steps, self._rank()
+        pre = self._call(chain.pre, env, block)
+        slices = {s: _split_steps(v, steps, rank) for s, v in zip(chain.phases.pre_values, pre)}
+        position = {s: i for i, s in enumerate(chain.carry)}
+        columns = [] if not chain.sweep.needs_state_ones else [(None, [block.ones] * steps)]
+        for sym in chain.sweep.args:
+            if sym in position:
+                columns.append((position[sym], None))
+            elif sym in slices:
+                columns.append((None, slices[sym]))
+            else:
+                columns.append((None, per_step[sym] if sym in per_step else _split_steps(
+                    env[sym] if sym in env else block.values[self.table.key[sym][1]], steps, rank)))
+        state = [carry[s] for s in chain.carry]
+        shapes = [x.shape for x in state]
+        fn = chain.sweep.fn
+        order = list(reversed(range(steps)) if chain.reverse else range(steps))
+        entered = [None] * steps
+        for j in order:
+            entered[j] = state
+            if j == order[-1] and not final:
+                break
+            new = fn(*[state[i] if i is not None else col[j] for i, col in columns])
+            state = [_fit(x, sh) for x, sh in zip(new, shapes)]
+        entered = [dict(zip(chain.carry, c)) for c in entered]
+        return entered, (dict(zip(chain.carry, state)) if final else None)
+
+    def _stacked(self, entered: list, symbols) -> dict:
+        return {s: _concat([c[s] for c in entered]) for s in symbols}
+
+    def _initial(self, arrays, symbols, sizes) -> dict:
+        """Carries ``(1, *step shape)`` from arrays in the declared state layout."""
+        spec = self.rec.spec
+        by_tensor = dict(zip(spec.states, arrays))
+        out = {}
+        for sym in symbols:
+            tensor, c = self.table.key[self.table.state_of.get(sym, sym)][1]
+            part = to_time_major(spec, spec.states[tensor], by_tensor[tensor].astype(mx.float32))[c]
+            out[sym] = mx.broadcast_to(part, (1, *self.table.step_shape(sym, sizes)))
+        return out
+
+    def _declared(self, carry: dict, symbols) -> list:
+        """Carries -> arrays in the declared state layout."""
+        spec = self.rec.spec
+        by_slot = {self.table.key[self.table.state_of.get(s, s)][1]: carry[s][0] for s in symbols}
+        return [from_time_major(spec, t, [by_slot[(t.name, c)] for c in range(t.components)], False)
+                for t in spec.states.values()]
+
+    def _time_major(self, tensors, arrays) -> dict:
+        out = {}
+        for t, x in zip(tensors, arrays):
+            for c, part in enumerate(to_time_major(self.rec.spec, t, x.astype(mx.float32))):
+                out[(t.name, c)] = part
+        return out
+
+    def _ones(self, sizes):
+        spec = self.rec.spec
+        return mx.ones((sizes[spec.state_axis] if spec.state_axis else 1,))
+
+    # -- forward -------------------------------------------------------------------------------
+    def _forward_block(self, carry: dict, block: _Block, sizes):
+        """The outputs of a block of steps (time-major) and the carry after it."""
+        spec = self.rec.spec
+        entered, carry = self._run_chain(self.forward_chain, carry, block, {}, {})
+        stacked = self._stacked(entered, self.table.states)
+        outs = self._call(self.forward_chain.post, stacked, block)
+        blocks = [_fit(y, (block.steps, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
+                                                          with_time=False)))
+                  for (_, slot), y in zip(self.forward_chain.post.results, outs)]
+        return blocks, carry
+
+    def _forward_block_arrays(self, keys, sizes, *arrays):
+        """``_forward_block`` over flat arrays (carries, then the block's values by ``keys``), the
+        form ``mx.compile`` takes; ``keys`` and ``sizes`` are constants of the compiled function."""
+        n = len(self.table.states)
+        carry = dict(zip(self.table.states, arrays[:n]))
+        values = dict(zip(keys, arrays[n:]))
+        steps = next((x.shape[0] for k, x in values.items() if self.rec.spec.inputs[k[0]].has_time), 1)
+        sizes = dict(sizes)
+        blocks, carry = self._forward_block(carry, _Block(values, steps, self._ones(sizes)), sizes)
+        return (*blocks, *(carry[s] for s in self.table.states))
+
+    def forward(self, inputs, states, sizes, seg, out_dtype):
+        spec, table = self.rec.spec, self.table
+        L = sizes[spec.time]
+        values = self._time_major(spec.inputs.values(), inputs)
+        keys = tuple(values)
+        frozen_sizes = tuple(sorted(sizes.items()))
+        carry = self._initial(states, table.states, sizes)
+        n_out = len(self.forward_chain.post.results)
+        checkpoints, buffers = [], [None] * n_out
+        for start in range(0, L, seg):
+            checkpoints.append(carry)
+            for lo in range(start, min(L, start + seg), self.unroll):
+                block = self._slice(values, lo, min(L, start + seg, lo + self.unroll), None)
+                res = self._compiled_block(keys, frozen_sizes, *(carry[s] for s in table.states),
+                                           *(block.values[k] for k in keys))
+                buffers = [_write(b, y, lo, L) for b, y in zip(buffers, res[:n_out])]
+                carry = _after(dict(zip(table.states, res[n_out:])), res[:n_out])
+        parts = {(slot.tensor, slot.component): b
+                 for (_, slot), b in zip(self.forward_chain.post.results, buffers)}
+        outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
+                                   reduce_missing=False).astype(out_dtype)
+                   for t in spec.outputs.values()]
+        residuals = [_concat([c[s] for c in checkpoints]) for s in table.states]
+        return outputs, self._declared(carry, table.states), residuals
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                 d_residuals=None):
+        """Input and initial-state gradients. ``d_residuals`` (cotangents of the checkpoints,
+        nonzero only when a gradient is differentiated again) join the state adjoint at the
+        start of their segment."""
+        spec, table = self.rec.spec, self.table
+        L = sizes[spec.time]
+        values = self._time_major(spec.inputs.values(), inputs)
+        values.update(self._time_major(spec.outputs.values(), d_outputs))
+        ones = self._ones(sizes)
+        lam = self._initial(d_finals, table.lambdas, sizes)
+        checkpoints = dict(zip(table.states, residuals))
+        step_grads, param_grads = {}, {}  # time blocks written into one buffer; sums
+        for s in reversed(range(-(-L // seg))):
+            block = self._slice(values, s * seg, min(L, (s + 1) * seg), ones)
+            carry = {sym: checkpoints[sym][s:s + 1] for sym in table.states}
+            entered, _ = self._run_chain(self.forward_chain, carry, block, {}, {}, final=False)
+            lam, grads = self._backward_segment(entered, lam, block, sizes)
+            if d_residuals is not None:
+                lam = {l: lam[l] + d_residuals[i][s:s + 1] for i, l in enumerate(table.lambdas)}
+            lam = _after(lam, list(grads.values()))
+            for key, g in grads.items():
+                if spec.inputs[key[0]].has_time:
+                    step_grads[key] = _write(step_grads.get(key), g, s * seg, L)
+                else:
+                    param_grads[key] = g + param_grads[key] if key in param_grads else g
+        grads = []
+        for t, x in zip(spec.inputs.values(), inputs):
+            parts = [(step_grads if t.has_time else param_grads)[(t.name, c)]
+                     for c in range(t.components)]
+            grads.append(from_time_major(spec, t, parts, reduce_missing=True).astype(x.dtype))
+        d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.lambdas), states)]
+        return grads, d_init
+
+    def _backward_segment(self, entered: list, lam: dict, block: _Block, sizes):
+        """λ before the segment and the input-gradient blocks of the segment, given the states
+        that entered each of its steps and λ after it."""
+        spec, table = self.rec.spec, self.table
+        stacked = self._stacked(entered, table.states)
+        per_step = {s: [c[s] for c in entered] for s in table.states}
+        lams, lam = self._run_chain(self.backward_chain, lam, block, stacked, per_step)
+        env = dict(stacked)
+        env.update(self._stacked(lams, table.lambdas))
+        outs = self._call(self.backward_chain.post, env, block)
+        grads = {}
+        for (_, slot), g in zip(self.backward_chain.post.results, outs):
+            t = spec.inputs[slot.tensor]
+            shape = canonical_shape(spec, t, sizes, with_time=False)
+            grads[(slot.tensor, slot.component)] = sum_to(g, (block.steps, *shape) if t.has_time
+                                                          else shape)
+        return lam, grads
 
 
 class MLXBackend:
@@ -22,170 +343,25 @@ class MLXBackend:
 
     def __init__(self, rec):
         self.rec = rec
-        spec = rec.spec
+        self.table = _Symbols(rec)
+        # the whole steps, for inspection (``rec.source(..., backend="mlx")``) and the reference
         self.forward_step = render_mlx(rec.forward_program, "forward_step")
-        self._fwd = mx.compile(self.forward_step.fn)
-        # where each step argument comes from
-        self.origin = {}
-        for slot, sym in spec.symbols.items():
-            kind = "state" if slot.tensor in spec.states else "input"
-            self.origin[sym] = (kind, slot)
+        self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
+        self.sequential = SequentialForm(rec, self.table)
 
-    @functools.cached_property
-    def backward_step(self):
-        """The rendered adjoint step, on first use (a forward-only recurrence, such as the
-        tangent recurrence of ``mx.jvp``, never derives its adjoint)."""
-        adjoint = self.rec.adjoint
-        for slot, sym in adjoint.output_cotangents.items():
-            self.origin[sym] = ("d_output", slot)
-        for slot, sym in adjoint.state_cotangents.items():
-            self.origin[sym] = ("d_state", slot)
-        return render_mlx(adjoint.program, "backward_step")
+    @property
+    def origin(self) -> dict:
+        """symbol -> (kind, (tensor, component)): what each step argument is."""
+        return self.table.key
 
-    @functools.cached_property
-    def _bwd(self):
-        return mx.compile(self.backward_step.fn)
+    def form(self, sizes):
+        """The form that computes a call of these sizes: the one place where it is chosen."""
+        return self.sequential
 
-    # -- helpers ------------------------------------------------------------------------------
-    def _ones(self, sizes):
-        """Ones over the state axis, for sums of terms constant over it."""
-        return mx.ones((sizes[self.rec.spec.state_axis] if self.rec.spec.state_axis else 1,))
-
-    def _canonical_inputs(self, inputs):
-        spec = self.rec.spec
-        out = {}
-        for t, x in zip(spec.inputs.values(), inputs):
-            for c, part in enumerate(to_canonical(spec, t, x.astype(mx.float32))):
-                out[(t.name, c)] = part
-        return out
-
-    def _state_shapes(self, sizes):
-        spec = self.rec.spec
-        return {(t.name, c): canonical_shape(spec, t, sizes)
-                for t in spec.states.values() for c in range(t.components)}
-
-    def _canonical_states(self, states, sizes):
-        spec = self.rec.spec
-        shapes = self._state_shapes(sizes)
-        out = {}
-        for t, x in zip(spec.states.values(), states):
-            for c, part in enumerate(to_canonical(spec, t, x.astype(mx.float32))):
-                out[(t.name, c)] = mx.broadcast_to(part, shapes[(t.name, c)])
-        return out
-
-    def _args(self, step, t, state, canon_in, ones, extra=None):
-        spec = self.rec.spec
-        nb = len(spec.batch_axes)
-        args = [ones] if step.needs_state_ones else []
-        for sym in step.args:
-            kind, slot = self.origin[sym]
-            key = (slot.tensor, slot.component)
-            if kind == "state":
-                args.append(state[key])
-            elif kind == "input":
-                x = canon_in[key]
-                args.append(x[(slice(None),) * nb + (t,)] if spec.inputs[slot.tensor].has_time else x)
-            else:
-                args.append(extra[(kind, key)])
-        return args
-
-    def _step_forward(self, t, state, canon_in, shapes, ones, fn=None):
-        res = (fn or self._fwd)(*self._args(self.forward_step, t, state, canon_in, ones))
-        new_state, outs = dict(state), {}
-        for (kind, slot), r in zip(self.forward_step.results, res):
-            key = (slot.tensor, slot.component)
-            if kind == "state":
-                new_state[key] = reduce_to(r, shapes[key])
-            else:
-                outs[key] = r
-        return new_state, outs
-
-    # -- passes -------------------------------------------------------------------------------
-    def forward(self, inputs, states, sizes, seg, out_dtype, *, compiled=True):
-        spec = self.rec.spec
-        L, nb = sizes[spec.time], len(spec.batch_axes)
-        shapes = self._state_shapes(sizes)
-        ones = self._ones(sizes)
-        canon_in = self._canonical_inputs(inputs)
-        state = self._canonical_states(states, sizes)
-        keys = list(state)
-        checkpoints = {k: [] for k in keys}
-        outs = {(s.tensor, s.component): [] for s in spec.output_slots()}
-        for t in range(L):
-            if t % seg == 0:
-                for k in keys:
-                    checkpoints[k].append(state[k])
-            state, step_out = self._step_forward(
-                t, state, canon_in, shapes, ones, None if compiled else self.forward_step.fn)
-            for k, v in step_out.items():
-                outs[k].append(v)
-        outputs = []
-        for t in spec.outputs.values():
-            shape = canonical_shape(spec, t, sizes, with_time=False)
-            parts = [mx.stack([reduce_to(v, shape) for v in outs[(t.name, c)]], axis=nb)
-                     for c in range(t.components)]
-            outputs.append(from_canonical(spec, t, parts, reduce_missing=False).astype(out_dtype))
-        finals = [from_canonical(spec, t, [state[(t.name, c)] for c in range(t.components)], False)
-                  for t in spec.states.values()]
-        residuals = [mx.stack(checkpoints[k]) for k in keys]
-        return outputs, finals, residuals
+    def forward(self, inputs, states, sizes, seg, out_dtype):
+        return self.form(sizes).forward(inputs, states, sizes, seg, out_dtype)
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
                  d_residuals=None):
-        """Input and initial-state gradients. ``d_residuals`` (cotangents of the checkpoints,
-        nonzero only when a gradient is differentiated again) join the state adjoint at the start
-        of their segment."""
-        spec = self.rec.spec
-        L, nb = sizes[spec.time], len(spec.batch_axes)
-        shapes = self._state_shapes(sizes)
-        ones = self._ones(sizes)
-        canon_in = self._canonical_inputs(inputs)
-        keys = [(t.name, c) for t in spec.states.values() for c in range(t.components)]
-        checkpoints = dict(zip(keys, residuals))
-        lam = self._canonical_states(d_finals, sizes)
-        d_out = {}
-        for t, g in zip(spec.outputs.values(), d_outputs):
-            for c, part in enumerate(to_canonical(spec, t, g.astype(mx.float32))):
-                d_out[(t.name, c)] = part
-        step_grads = {k: [None] * L for k in canon_in if spec.inputs[k[0]].has_time}
-        param_grads = {k: None for k in canon_in if not spec.inputs[k[0]].has_time}
-
-        n_seg = -(-L // seg)
-        for s in reversed(range(n_seg)):
-            start, end = s * seg, min(L, (s + 1) * seg)
-            state = {k: checkpoints[k][s] for k in keys}
-            history = []
-            for t in range(start, end):
-                history.append(state)
-                state, _ = self._step_forward(t, state, canon_in, shapes, ones)
-            for t in reversed(range(start, end)):
-                extra = {("d_state", k): lam[k] for k in keys}
-                extra.update({("d_output", k): v[(slice(None),) * nb + (t,)] for k, v in d_out.items()})
-                res = self._bwd(*self._args(self.backward_step, t, history[t - start], canon_in, ones, extra))
-                new_lam = {}
-                for (kind, slot), r in zip(self.backward_step.results, res):
-                    key = (slot.tensor, slot.component)
-                    if kind == "lambda":
-                        new_lam[key] = reduce_to(r, shapes[key])
-                        continue
-                    x = canon_in[key]
-                    if key in step_grads:
-                        step_grads[key][t] = reduce_to(r, x.shape[:nb] + x.shape[nb + 1:])
-                    else:
-                        g = reduce_to(r, x.shape)
-                        param_grads[key] = g if param_grads[key] is None else param_grads[key] + g
-                lam = new_lam
-            if d_residuals is not None:
-                lam = {k: lam[k] + d_residuals[i][s] for i, k in enumerate(keys)}
-
-        grads = []
-        for t, x in zip(spec.inputs.values(), inputs):
-            parts = []
-            for c in range(t.components):
-                key = (t.name, c)
-                parts.append(mx.stack(step_grads[key], axis=nb) if key in step_grads else param_grads[key])
-            grads.append(from_canonical(spec, t, parts, reduce_missing=True).astype(x.dtype))
-        d_init = [from_canonical(spec, t, [lam[(t.name, c)] for c in range(t.components)], False).astype(x.dtype)
-                  for t, x in zip(spec.states.values(), states)]
-        return grads, d_init
-
+        return self.form(sizes).backward(inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                                         d_residuals=d_residuals)

@@ -21,9 +21,10 @@ class MLXStep:
 
     source: str
     args: list  # sympy symbols, in call order
-    results: list  # (kind, slot), in return order
+    results: list  # (kind, slot) of each store, in return order (``returns`` values follow)
     fn: object
     needs_state_ones: bool  # first argument is ones over the state axis
+    returns: tuple = ()  # symbols returned after the stores
 
 
 def program_arguments(program: Program) -> list:
@@ -37,13 +38,14 @@ def program_arguments(program: Program) -> list:
     return sorted(free, key=str)
 
 
-def render_mlx(program: Program, name: str, args=None) -> MLXStep:
-    """The program as a Python function of its arguments. Symbols are spelled through
-    ``render.names`` (``u_q``), so no spec name meets a keyword (``lambda``), ``mx`` or the
-    function's own names (``state_ones``, ``out0``)."""
+def render_mlx(program: Program, name: str, args=None, returns=()) -> MLXStep:
+    """``program`` as an MLX function of ``args`` (default: what it reads, by name) returning
+    its stores in order, then the values of the symbols ``returns``. Symbols are spelled
+    through ``render.names`` (``u_q``), so no spec name meets a keyword (``lambda``), ``mx`` or
+    the function's own names (``state_ones``, ``out0``)."""
     args = program_arguments(program) if args is None else args
     ids = Identifiers()
-    symbols = set(args) | {b.target for st in program.statements
+    symbols = set(args) | set(returns) | {b.target for st in program.statements
                            for b in (st.body if isinstance(st, Loop) else [st])
                            if not isinstance(b, Store)}
     for sym in sorted(symbols, key=str):
@@ -76,10 +78,11 @@ def render_mlx(program: Program, name: str, args=None) -> MLXStep:
                 emit(b)
         else:
             emit(st)
-    ret = ", ".join(f"out{i}" for i in range(len(results)))
+    ret = ", ".join([f"out{i}" for i in range(len(results))] + [names[r] for r in returns])
+    n_ret = len(results) + len(returns)
     params = (["state_ones"] if ones else []) + [names[s] for s in args]
     source = (f"def {name}({', '.join(params)}):\n" + "\n".join(lines)
-              + f"\n    return ({ret}{',' if len(results) == 1 else ''})\n")
+              + f"\n    return ({ret}{',' if n_ret == 1 else ''})\n")
     scope = {"mx": mx}
     exec(compile(source, f"<mlx-recgen {name}>", "exec"), scope)
-    return MLXStep(source, list(args), results, scope[name], ones)
+    return MLXStep(source, list(args), results, scope[name], ones, tuple(returns))
