@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
+from sympy.core.relational import Relational
 
 from .ir import (Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, free_symbols,
                  loop_symbols, schedule_forward)
@@ -33,8 +34,11 @@ class Adjoint:
 
 
 def _simplify(e):
-    """A cheap simplification: keep sympy's result only when it is not larger."""
-    if e == 0 or sympy.count_ops(e) > 30:
+    """A cheap simplification: keep sympy's result only when it is not larger. Expressions with
+    conditions (``where``, ``maximum``, ``minimum``) are left as they are: sympy simplifies
+    relations by sampling them numerically, which takes seconds per derivative (minutes for a
+    step like mLSTM's)."""
+    if e == 0 or sympy.count_ops(e) > 30 or e.has(sympy.Piecewise, Relational):
         return e
     s = sympy.simplify(e)
     return s if sympy.count_ops(s) <= sympy.count_ops(e) else e
