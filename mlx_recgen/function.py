@@ -21,6 +21,9 @@ from .schedule import choose as choose_schedule
 from .spec import Spec
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# bool and integer inputs (masks, lengths, positions): accepted, never differentiated
+INDEX_DTYPES = (mx.bool_, mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16,
+                mx.uint32, mx.uint64)
 BACKENDS = ("auto", "mlx", "metal", "metal-sim", "cuda")
 
 
@@ -70,6 +73,7 @@ class Recurrence:
         self.affine = analyse(self.ir)
         self._backends = {}
         self._functions = {}
+        self._variants = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
 
     @functools.cached_property
@@ -113,11 +117,17 @@ class Recurrence:
 
     def gradient_reductions(self) -> dict:
         """For every input (and the initial state), the reductions its gradient needs:
-        ``state index`` (an in-thread loop), ``lanes`` (simd + threadgroup), ``time`` (register
-        accumulator), ``batch`` (a final MLX sum over batch-like axes the input lacks)."""
+        ``state index`` (an in-thread loop), ``lanes`` (simd + threadgroup; for a shared
+        state's initial state, a final MLX sum of its lanes' shares), ``time`` (register
+        accumulator), ``group`` (a final MLX sum over the members of each group axis it
+        carries), ``batch`` (a final MLX sum over batch-like axes the input lacks). A bool or
+        integer input gets no gradient (``not differentiable``)."""
         s = self.spec
         out = {}
         for t in s.inputs.values():
+            if not t.differentiable:
+                out[t.name] = ["not differentiable"]
+                continue
             classes = []
             if s.state_axis and not t.has_state_axis:
                 classes.append("state index")
@@ -125,11 +135,13 @@ class Recurrence:
                 classes.append("lanes")
             if not t.has_time:
                 classes.append("time")
-            if len(t.batch_axes) < len(s.batch_axes):
+            if any(a in s.groups for a in t.batch_axes):
+                classes.append("group")
+            if any(not s.covers(t, b) for b in s.batch_axes):
                 classes.append("batch")
             out[t.name] = classes
         for t in s.states.values():
-            out[f"{t.name} (initial state)"] = []
+            out[f"{t.name} (initial state)"] = [] if t.has_lane else ["lanes"]
         return out
 
     def source(self, kernel: str = "forward", backend: str = "metal", dtype=mx.float32, **schedule):
@@ -138,17 +150,32 @@ class Recurrence:
         ``kernel`` is ``"forward"`` or ``"backward"`` (the sequential schedule's kernels), or with
         ``schedule="chunked"`` one of ``"summary"``, ``"carry"``, ``"outputs"``,
         ``"local_adjoint"``, ``"adjoint_carry"``, ``"gradients"``; ``backend`` is ``"metal"``,
-        ``"cuda"`` or ``"mlx"`` (the rendered Python step function)."""
+        ``"cuda"`` or ``"mlx"`` (the rendered Python step function). ``dtype`` is the inputs'
+        dtype, or a dict of dtypes by input name (float32 for inputs it omits): bool and
+        integer inputs give the kernels that compute no gradient for them."""
         if "seg" in schedule:
             schedule["seg"] = positive_int(f"{self.name}.source()", "seg", schedule["seg"])
+        names = list(self.spec.inputs)
+        if isinstance(dtype, dict):
+            unknown = [k for k in dtype if k not in self.spec.inputs]
+            if unknown:
+                raise ValueError(f"{self.name}.source(): dtype names unknown inputs {unknown}; "
+                                 f"inputs are {names}")
+            dtypes = [dtype.get(n, mx.float32) for n in names]
+        else:
+            dtypes = [dtype] * len(names)
+        for n, d in zip(names, dtypes):
+            if d not in FLOAT_DTYPES + INDEX_DTYPES:
+                raise ValueError(f"{self.name}.source(): input '{n}' cannot have dtype {d}")
+        rec = self._for_dtypes(dtypes)
         if backend == "mlx":
             if kernel not in ("forward", "backward"):
                 raise ValueError(f"kernel must be 'forward' or 'backward', got {kernel!r}")
-            b = self._backend("mlx")
+            b = rec._backend("mlx")
             return (b.forward_step if kernel == "forward" else b.backward_step).source
         from .backends.kernels import kernel_source
 
-        return kernel_source(self, kernel, backend, dtype, **schedule)
+        return kernel_source(rec, kernel, backend, dict(zip(names, dtypes)), **schedule)
 
     # -- calling ----------------------------------------------------------------------------------
     def _bind(self, args, kwargs, initial_state):
@@ -169,12 +196,14 @@ class Recurrence:
 
         sizes, where = {}, {}
 
-        def check(arg, x, t):
+        def check(arg, x, t, index_ok=False):
             if not isinstance(x, mx.array):
                 raise TypeError(f"{s.name}(): argument '{arg}' must be an mx.array, got {type(x).__name__}")
-            if x.dtype not in FLOAT_DTYPES:
+            if x.dtype not in FLOAT_DTYPES and not (index_ok and x.dtype in INDEX_DTYPES):
                 raise TypeError(f"{s.name}(): argument '{arg}' has dtype {_dtype_name(x.dtype)}; "
-                                "expected float32, float16 or bfloat16")
+                                "expected float32, float16 or bfloat16"
+                                + (", or bool or an integer type (not differentiated)"
+                                   if index_ok else ""))
             if x.ndim != len(t.axes):
                 raise ValueError(f"{s.name}(): argument '{arg}' has shape {tuple(x.shape)} "
                                  f"({x.ndim} axes); expected {len(t.axes)} axes ({_axes_text(t)})")
@@ -192,7 +221,7 @@ class Recurrence:
                 raise ValueError(f"{s.name}(): argument '{arg}' is empty (shape {tuple(x.shape)})")
 
         for n in names:
-            check(n, values[n], s.inputs[n])
+            check(n, values[n], s.inputs[n], index_ok=True)
 
         states = {}
         if initial_state is not None:
@@ -215,12 +244,29 @@ class Recurrence:
             if a not in sizes:
                 raise ValueError(f"{s.name}(): the size of axis {a} cannot be inferred from the "
                                  "inputs; pass initial_state")
+        for coarse, fine in s.groups.items():
+            if coarse in sizes and sizes[fine] % sizes[coarse]:
+                raise ValueError(f"{s.name}(): axis {fine} has size {sizes[fine]}, which its group "
+                                 f"axis {coarse} of size {sizes[coarse]} (in '{where[coarse]}') "
+                                 f"does not divide; each of the {sizes[coarse]} groups must "
+                                 f"serve the same number of {fine}")
         for k, t in s.states.items():
             if k not in states:
                 states[k] = mx.zeros(declared_shape(t, sizes), dtype=mx.float32)
-        floats = {values[n].dtype for n in names}
+        floats = {values[n].dtype for n in names if values[n].dtype in FLOAT_DTYPES}
         out_dtype = floats.pop() if len(floats) == 1 else mx.float32
         return [values[n] for n in names], [states[k] for k in s.states], sizes, out_dtype
+
+    def _for_dtypes(self, dtypes) -> "Recurrence":
+        """The recurrence that runs inputs of these dtypes (in declaration order): this one, or
+        (when some are bool or integer) its twin with those inputs non-differentiable
+        (``Spec.without_gradients``), compiled once per such set of inputs."""
+        fixed = frozenset(n for n, d in zip(self.spec.inputs, dtypes) if d not in FLOAT_DTYPES)
+        if not fixed:
+            return self
+        if fixed not in self._variants:
+            self._variants[fixed] = Recurrence(self.spec.without_gradients(fixed))
+        return self._variants[fixed]
 
     def _backend(self, backend):
         if backend == "auto":
@@ -253,8 +299,8 @@ class Recurrence:
             outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype, **options)
             return (*outs, *finals, *residuals)
 
-        kernel_backward = _first_order_only(backend, n_in, n_out, n_state, sizes, seg, options) \
-            if kernel else None
+        kernel_backward = _first_order_only(self.spec, backend, n_in, n_out, n_state, sizes, seg,
+                                            options) if kernel else None
 
         @fn.vjp
         def fn_vjp(primals, cotangents, outputs):
@@ -266,7 +312,7 @@ class Recurrence:
                 d_res = list(cotangents[n_out + n_state:])
                 grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes,
                                                  seg, d_residuals=d_res, **options)
-                return (*grads, *d_init)
+                return (*_with_zeros(self.spec, inputs, grads), *d_init)
             return kernel_backward(*inputs, *states, *residuals, *d_out, *d_fin)
 
         @fn.jvp
@@ -297,7 +343,9 @@ class Recurrence:
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
         rec = self.tangent
         fn = rec._function(rec._backend(backend.name), seg, sizes, out_dtype, options)
-        results = fn(*primals[:n_in], *tangents[:n_in], *primals[n_in:], *tangents[n_in:])
+        # bool and integer inputs have no tangent in the tangent recurrence
+        d_in = [d for t, d in zip(self.spec.inputs.values(), tangents) if t.differentiable]
+        results = fn(*primals[:n_in], *d_in, *primals[n_in:], *tangents[n_in:])
         d_out = results[n_out:2 * n_out]
         d_fin = results[2 * n_out + n_state:2 * n_out + 2 * n_state]
         if options.get("schedule", "sequential") == "chunked":
@@ -316,13 +364,14 @@ class Recurrence:
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
         if seg is not None:
             seg = positive_int(f"{self.name}()", "seg", seg)
-        impl = self._backend(backend)
+        rec = self._for_dtypes([x.dtype for x in inputs])
+        impl = rec._backend(backend)
         if options and impl.name == "mlx":
             raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
-        kind, seg = choose_schedule(self, sizes, schedule, seg, impl.name)
+        kind, seg = choose_schedule(rec, sizes, schedule, seg, impl.name)
         if impl.name != "mlx":
             options["schedule"] = kind
-        fn = self._function(impl, seg, sizes, out_dtype, options)
+        fn = rec._function(impl, seg, sizes, out_dtype, options)
         results = fn(*inputs, *states)
         n_out, n_state = len(self.spec.outputs), len(self.spec.states)
         outs = results[:n_out]
@@ -386,7 +435,15 @@ def _vmap_guard(backend):
     return guard
 
 
-def _first_order_only(backend, n_in, n_out, n_state, sizes, seg, schedule):
+def _with_zeros(spec, inputs, grads) -> list:
+    """The gradients of the differentiable inputs, with zeros of each bool or integer input's
+    shape and dtype in its place (MLX's cotangent for such an input)."""
+    grads = iter(grads)
+    return [next(grads) if t.differentiable else mx.zeros_like(x)
+            for t, x in zip(spec.inputs.values(), inputs)]
+
+
+def _first_order_only(spec, backend, n_in, n_out, n_state, sizes, seg, schedule):
     """A kernel backend's backward as a custom function whose own derivatives raise: a kernel is
     opaque to MLX, so a second derivative through it would otherwise be silently 0 (or an
     internal error on a GPU)."""
@@ -398,7 +455,7 @@ def _first_order_only(backend, n_in, n_out, n_state, sizes, seg, schedule):
         residuals = list(arrays[n_in + n_state:-n_out - n_state])
         grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes, seg,
                                          **schedule)
-        return (*grads, *d_init)
+        return (*_with_zeros(spec, inputs, grads), *d_init)
 
     backward.vjp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
     backward.jvp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))

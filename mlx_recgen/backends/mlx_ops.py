@@ -4,7 +4,10 @@ It runs on any MLX device (the Linux CPU included). It is not the reference: ``r
 evaluates the traced spec directly, without the rendered programs (``backends/reference.py``).
 Forward keeps only the state at the start of every segment; backward walks segments newest to
 oldest, recomputes the segment's states from its checkpoint with the same step function (so the
-recomputed states are bit-identical), then sweeps the derived adjoint over the segment.
+recomputed states are bit-identical), then sweeps the derived adjoint over the segment. A shared
+state (without the lane axis) has size 1 along the lanes in the forward, and its adjoint one
+share per lane in the backward (``adjoint``). ``backward`` returns the gradients of the
+differentiable inputs only.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import functools
 
 import mlx.core as mx
 
-from ..layout import canonical_shape, from_canonical, reduce_to, to_canonical
+from ..layout import (canonical_shape, expand_groups, expanded, from_canonical, reduce_to,
+                      sum_groups, to_canonical)
 from ..render.mlx_ops import render_mlx
 
 
@@ -51,12 +55,30 @@ class MLXBackend:
         """Ones over the state axis, for sums of terms constant over it."""
         return mx.ones((sizes[self.rec.spec.state_axis] if self.rec.spec.state_axis else 1,))
 
-    def _canonical_inputs(self, inputs):
+    def _canonical_inputs(self, inputs, sizes):
+        """Inputs in the canonical layout, fp32 (bool and integer inputs too), with group axes
+        expanded."""
         spec = self.rec.spec
         out = {}
         for t, x in zip(spec.inputs.values(), inputs):
-            for c, part in enumerate(to_canonical(spec, t, x.astype(mx.float32))):
+            x = expand_groups(spec, t, x.astype(mx.float32), sizes)
+            for c, part in enumerate(to_canonical(spec, expanded(spec, t), x)):
                 out[(t.name, c)] = part
+        return out
+
+    def _shares(self, values, sizes):
+        """Canonical values of states -> the per-lane shares of their adjoint: a shared state's
+        value goes to lane 0, the other lanes start from zero (see ``adjoint``); a state with
+        the lane axis keeps its value."""
+        spec = self.rec.spec
+        nb, lanes = len(spec.batch_axes), sizes[spec.lane]
+        out = {}
+        for (name, c), v in values.items():
+            if not spec.states[name].has_lane and lanes > 1:
+                pad = [(0, 0)] * v.ndim
+                pad[nb] = (0, lanes - 1)
+                v = mx.pad(v, pad)
+            out[(name, c)] = v
         return out
 
     def _state_shapes(self, sizes):
@@ -106,7 +128,7 @@ class MLXBackend:
         L, nb = sizes[spec.time], len(spec.batch_axes)
         shapes = self._state_shapes(sizes)
         ones = self._ones(sizes)
-        canon_in = self._canonical_inputs(inputs)
+        canon_in = self._canonical_inputs(inputs, sizes)
         state = self._canonical_states(states, sizes)
         keys = list(state)
         checkpoints = {k: [] for k in keys}
@@ -139,16 +161,19 @@ class MLXBackend:
         L, nb = sizes[spec.time], len(spec.batch_axes)
         shapes = self._state_shapes(sizes)
         ones = self._ones(sizes)
-        canon_in = self._canonical_inputs(inputs)
+        canon_in = self._canonical_inputs(inputs, sizes)
         keys = [(t.name, c) for t in spec.states.values() for c in range(t.components)]
         checkpoints = dict(zip(keys, residuals))
-        lam = self._canonical_states(d_finals, sizes)
+        # a shared state's adjoint is kept as one share per lane, summed at the end
+        lam = self._shares(self._canonical_states(d_finals, sizes), sizes)
+        lam_shapes = {k: v.shape for k, v in lam.items()}
         d_out = {}
         for t, g in zip(spec.outputs.values(), d_outputs):
             for c, part in enumerate(to_canonical(spec, t, g.astype(mx.float32))):
                 d_out[(t.name, c)] = part
-        step_grads = {k: [None] * L for k in canon_in if spec.inputs[k[0]].has_time}
-        param_grads = {k: None for k in canon_in if not spec.inputs[k[0]].has_time}
+        differentiable = {k for k in canon_in if spec.inputs[k[0]].differentiable}
+        step_grads = {k: [None] * L for k in differentiable if spec.inputs[k[0]].has_time}
+        param_grads = {k: None for k in differentiable if not spec.inputs[k[0]].has_time}
 
         n_seg = -(-L // seg)
         for s in reversed(range(n_seg)):
@@ -166,7 +191,7 @@ class MLXBackend:
                 for (kind, slot), r in zip(self.backward_step.results, res):
                     key = (slot.tensor, slot.component)
                     if kind == "lambda":
-                        new_lam[key] = reduce_to(r, shapes[key])
+                        new_lam[key] = reduce_to(r, lam_shapes[key])
                         continue
                     x = canon_in[key]
                     if key in step_grads:
@@ -176,16 +201,24 @@ class MLXBackend:
                         param_grads[key] = g if param_grads[key] is None else param_grads[key] + g
                 lam = new_lam
             if d_residuals is not None:
-                lam = {k: lam[k] + d_residuals[i][s] for i, k in enumerate(keys)}
+                seeds = self._shares({k: d_residuals[i][s] for i, k in enumerate(keys)}, sizes)
+                lam = {k: lam[k] + seeds[k] for k in keys}
 
-        grads = []
+        grads = []  # of the differentiable inputs
         for t, x in zip(spec.inputs.values(), inputs):
+            if not t.differentiable:
+                continue
             parts = []
             for c in range(t.components):
                 key = (t.name, c)
                 parts.append(mx.stack(step_grads[key], axis=nb) if key in step_grads else param_grads[key])
-            grads.append(from_canonical(spec, t, parts, reduce_missing=True).astype(x.dtype))
-        d_init = [from_canonical(spec, t, [lam[(t.name, c)] for c in range(t.components)], False).astype(x.dtype)
-                  for t, x in zip(spec.states.values(), states)]
+            g = from_canonical(spec, expanded(spec, t), parts, reduce_missing=True)
+            grads.append(sum_groups(spec, t, g, sizes).astype(x.dtype))
+        d_init = []
+        for t, x in zip(spec.states.values(), states):
+            parts = [lam[(t.name, c)] for c in range(t.components)]
+            if not t.has_lane:  # the sum of the lanes' shares
+                parts = [mx.sum(p, axis=nb, keepdims=True) for p in parts]
+            d_init.append(from_canonical(spec, t, parts, False).astype(x.dtype))
         return grads, d_init
 
