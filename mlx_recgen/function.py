@@ -63,7 +63,10 @@ class Recurrence:
     ``backend`` (``"auto"``, ``"mlx"``, ``"metal"``, ``"metal-sim"``, ``"cuda"``), ``schedule``
     (``"auto"``, ``"sequential"``, ``"chunked"``: see ``schedule.choose``) and ``seg``
     (checkpoint every ``seg`` steps, which is also the chunk length of the chunked schedule;
-    chosen per call when omitted). Outputs are in the inputs' dtype; state is kept in fp32.
+    chosen per call when omitted). Outputs are in the floating-point inputs' dtype (fp32 when
+    they mix dtypes); state is kept in fp32. Bool and integer inputs are accepted and not
+    differentiated: a call with some runs a twin of this recurrence (``_for_dtypes``) whose
+    backward computes no gradient for them; their cotangents are zeros.
     """
 
     def __init__(self, spec: Spec):

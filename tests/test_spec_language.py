@@ -152,6 +152,44 @@ def test_linear_attention_with_shared_normaliser(backend, schedule, sizes):
            backend, schedule, **call)
 
 
+@rg.recurrence(lane="V", state={"S": "B K V", "z": "B K", "c": "B"},
+               inputs={"k": "B L K", "v": "B L V", "g": "B L"}, outputs={"o": "B L V"})
+def shared_feeds_lanes(S, z, c, k, v, g, i):
+    """S reads the shared z (one affine block of a lane state and a shared state); the output
+    reads the shared scalar c."""
+    a = rg.sigmoid(g)
+    S[i] = a * S[i] + z[i] * v + k[i]
+    z[i] = 0.5 * z[i] + k[i]
+    c = a * c + g
+    return {"o": rg.Sum(k[i] * S[i], i) + c * v}
+
+
+def shared_feeds_lanes_ref(k, v, g, S0, z0, c0):
+    S, z, c, outs = S0, z0, c0, []
+    for t in range(k.shape[1]):
+        a = mx.sigmoid(g[:, t])
+        S = a[:, None, None] * S + z[..., None] * v[:, t][:, None, :] + k[:, t][..., None]
+        z = 0.5 * z + k[:, t]
+        c = a * c + g[:, t]
+        outs.append(mx.sum(k[:, t][..., None] * S, axis=1) + c[:, None] * v[:, t])
+    return [mx.stack(outs, axis=1)], [S, z, c]
+
+
+@pytest.mark.parametrize("backend, schedule", RUNS)
+@pytest.mark.parametrize("threads", [None, 32])
+def test_lane_state_reading_shared_states(backend, schedule, threads):
+    """The chunked carry carries the block {S, z} per lane; z's adjoint gets a share from every
+    lane's S; c's from every lane's output."""
+    if backend in ("mlx", "reference") and threads:
+        pytest.skip("threads= applies to the kernel backends")
+    b, L, K, V = 2, 13, 3, 37
+    inputs = [_normal((b, L, K)), _normal((b, L, V)), _normal((b, L))]
+    states = [_normal((b, K, V)), _normal((b, K)), _normal((b,))]
+    assert shared_feeds_lanes.time_parallel
+    call = dict(seg=3) if threads is None else dict(seg=3, threads=threads)
+    _check(shared_feeds_lanes, shared_feeds_lanes_ref, inputs, states, backend, schedule, **call)
+
+
 @rg.recurrence(lane="V", state={"C": "B H K V", "n": "B H K", "m": "B H"},
                inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "f": "B L H",
                        "ig": "B L H"},
