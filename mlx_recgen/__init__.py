@@ -22,16 +22,21 @@ from .specs import list_specs, load_spec
 __version__ = "0.1.0"
 
 
-def recurrence(*, lane, time="L", state, inputs, outputs, name=None):
+def recurrence(*, lane, time="L", state, inputs, outputs, name=None, groups=None):
     """Declare a recurrence; decorates its one-step body and returns a ``Recurrence``.
 
     Args:
       lane: the lane axis (one GPU thread per lane value).
       time: the sequential axis (default ``"L"``). Inputs without it are parameters.
-      state: state name -> axes, e.g. ``{"h": "B H P N"}``.
-      inputs: input name -> axes, e.g. ``{"u": "B L H P", "A": "H N"}``.
+      state: state name -> axes, e.g. ``{"h": "B H P N"}``. A state without the lane axis is
+        shared by the lanes of an instance; its update may read only lane-invariant values.
+      inputs: input name -> axes, e.g. ``{"u": "B L H P", "A": "H N"}``. Bool and integer
+        arrays may be passed for any input; they get no gradient.
       outputs: output name -> axes; they carry time, lane and every batch-like axis.
       name: the recurrence's name (default: the function's).
+      groups: group axis -> the batch-like axis it groups, e.g. ``{"Hk": "H"}``: an input
+        carrying ``Hk`` in place of ``H`` serves every ``h`` with ``h // (H / Hk)`` equal to its
+        index (grouped heads), and its gradient is summed over each group.
 
     The body takes the states and inputs by name (then the state index, if the state has a
     state axis), updates the state and returns ``{output: expression}``.
@@ -40,7 +45,7 @@ def recurrence(*, lane, time="L", state, inputs, outputs, name=None):
 
     def decorate(fn):
         return Recurrence(build_spec(fn, lane=lane, time=time, state=state, inputs=inputs,
-                                     outputs=outputs, name=name))
+                                     outputs=outputs, name=name, groups=groups))
 
     return decorate
 

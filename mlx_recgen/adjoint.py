@@ -8,9 +8,19 @@ between, let ``ȳ`` be the output cotangents and ``λ`` the adjoint of the new s
     z̄     = Σ_scalar-uses cot · ∂e/∂z  +  Σ_n [ same pointwise terms ]       (scalar leaves)
 
 where reductions are visited from the highest level down (a reduction of level k only feeds
-reductions of higher levels), leaves are the old state and the inputs, and the adjoint of the old
-state is the new ``λ``. Every partial derivative comes from sympy; the result is a ``Program``
-with the same statement vocabulary as the forward step.
+reductions of higher levels), leaves are the old state and the differentiable inputs, and the
+adjoint of the old state is the new ``λ``.
+
+A state without the lane axis (shared by the lanes of an instance) is read by every lane, so
+its true adjoint is a sum over lanes. Each lane's ``λ`` of such a state is one lane's share of
+it: the statements above are linear in the cotangents, and a shared state's cotangent flows only
+into lane-invariant values (its update reads nothing else), so when the final state's cotangent
+seeds one lane and the others start from zero, the shares of every step sum over lanes to the
+true adjoint. The backends keep one share per lane and sum them once, for the initial state's
+gradient, instead of reducing over lanes every step.
+
+Every partial derivative comes from sympy; the result is a ``Program`` with the same statement
+vocabulary as the forward step.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
+from sympy.core.relational import Relational
 
 from .ir import (Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, free_symbols,
                  loop_symbols, schedule_forward)
@@ -84,7 +95,7 @@ def derive(ir: StepIR) -> Adjoint:
 
     # Leaves: old states and inputs.
     leaves = [(("lambda", s), spec.symbols[s]) for s in spec.state_slots()]
-    leaves += [(("grad", s), spec.symbols[s]) for s in spec.input_slots()]
+    leaves += [(("grad", s), spec.symbols[s]) for s in spec.input_slots(differentiable_only=True)]
     loop_pairs, scalar_pairs = [], []
     for (kind, slot), z in leaves:
         pw = pointwise(z, ir.reductions)

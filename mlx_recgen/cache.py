@@ -63,14 +63,14 @@ def spec_key(spec) -> str:
     """A stable text of everything in the spec that the derived programs depend on."""
     from . import __version__
 
-    def tensor(t):
-        return f"{t.kind} {t.name} {t.axes!r}"
+    def tensor(t):  # every field: roles, group axes, whether it is differentiated
+        return repr(t)
 
     lines = [FORMAT, f"mlx-recgen {__version__} {_compiler_digest()}",
              f"sympy {sympy.__version__}", f"python {sys.version_info[0]}.{sys.version_info[1]}",
              f"spec {spec.name}", f"time {spec.time}", f"lane {spec.lane}",
              f"batch {spec.batch_axes!r}", f"state_axis {spec.state_axis!r}",
-             f"index {spec.index_name!r}"]
+             f"index {spec.index_name!r}", f"groups {sorted(spec.groups.items())!r}"]
     lines += [tensor(t) for group in (spec.states, spec.inputs, spec.outputs) for t in group.values()]
     lines += [f"symbol {slot.tensor} {slot.component} {sympy.srepr(sym)}"
               for slot, sym in spec.symbols.items()]

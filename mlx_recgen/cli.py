@@ -68,6 +68,7 @@ def resolve_backend(requested: str | None) -> tuple:
 def _sizes(rec, lanes=7, length=19, state=5, batch=2):
     s = rec.spec
     sizes = {b: batch for b in s.batch_axes}
+    sizes.update({g: 1 for g in s.groups})  # one group serving every index of the axis
     sizes.update({s.time: length, s.lane: lanes})
     if s.state_axis:
         sizes[s.state_axis] = state

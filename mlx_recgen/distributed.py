@@ -106,7 +106,7 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
         raise TypeError(f"{rec.name}(): group must be an mx.distributed.Group (from "
                         f"mx.distributed.init()), got {type(group).__name__}")
     try:
-        impl, seg, sizes, out_dtype, options, inputs, states = rec._prepare(
+        twin, impl, seg, sizes, out_dtype, options, inputs, states = rec._prepare(
             args, kwargs, initial_state, backend, seg, schedule)
     except Exception:
         _exchange_headers(rec, group, None)  # the other ranks raise too, instead of hanging
@@ -114,7 +114,8 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
     _check_chunks(rec, group, sizes)
     checked = _LAST[_key(group)]
     build = _affine_function if rec.time_parallel else _pipeline_function
-    fn = build(rec, group, impl, seg, sizes, out_dtype, options, _Rules(group, checked))
+    # the twin without gradients for bool and integer inputs, when the call has some
+    fn = build(twin, group, impl, seg, sizes, out_dtype, options, _Rules(group, checked))
     try:
         results = fn(*inputs, *states)
     except Exception:  # its collectives are abandoned (alike on every rank): do not chain them

@@ -22,6 +22,9 @@ from .schedule import choose as choose_schedule
 from .spec import Spec
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# bool and integer inputs (masks, lengths, positions): accepted, never differentiated
+INDEX_DTYPES = (mx.bool_, mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16,
+                mx.uint32, mx.uint64)
 BACKENDS = ("auto", "mlx", "metal", "metal-sim", "cuda")
 
 
@@ -65,7 +68,10 @@ class Recurrence:
     this rank's chunk of the time axis of a sequence spread over the group's ranks in rank
     order; the outputs are this chunk's, the final state is the state after the last rank's
     chunk on every rank, and the backward is collective: see ``mlx_recgen.distributed``).
-    Outputs are in the inputs' dtype; state is kept in fp32.
+    Outputs are in the floating-point inputs' dtype (fp32 when they mix dtypes); state is kept
+    in fp32. Bool and integer inputs are accepted and not differentiated: a call with some runs
+    a twin of this recurrence (``_for_dtypes``) whose backward computes no gradient for them;
+    their cotangents are zeros.
     """
 
     def __init__(self, spec: Spec):
@@ -75,6 +81,7 @@ class Recurrence:
         self.affine = analyse(self.ir)
         self._backends = {}
         self._functions = {}
+        self._variants = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
 
     def _programs(self):
@@ -128,11 +135,17 @@ class Recurrence:
 
     def gradient_reductions(self) -> dict:
         """For every input (and the initial state), the reductions its gradient needs:
-        ``state index`` (an in-thread loop), ``lanes`` (simd + threadgroup), ``time`` (register
-        accumulator), ``batch`` (a final MLX sum over batch-like axes the input lacks)."""
+        ``state index`` (an in-thread loop), ``lanes`` (simd + threadgroup; for a shared
+        state's initial state, a final MLX sum of its lanes' shares), ``time`` (register
+        accumulator), ``group`` (a final MLX sum over the members of each group axis it
+        carries), ``batch`` (a final MLX sum over batch-like axes the input lacks). A bool or
+        integer input gets no gradient (``not differentiable``)."""
         s = self.spec
         out = {}
         for t in s.inputs.values():
+            if not t.differentiable:
+                out[t.name] = ["not differentiable"]
+                continue
             classes = []
             if s.state_axis and not t.has_state_axis:
                 classes.append("state index")
@@ -140,11 +153,13 @@ class Recurrence:
                 classes.append("lanes")
             if not t.has_time:
                 classes.append("time")
-            if len(t.batch_axes) < len(s.batch_axes):
+            if any(a in s.groups for a in t.batch_axes):
+                classes.append("group")
+            if any(not s.covers(t, b) for b in s.batch_axes):
                 classes.append("batch")
             out[t.name] = classes
         for t in s.states.values():
-            out[f"{t.name} (initial state)"] = []
+            out[f"{t.name} (initial state)"] = [] if t.has_lane else ["lanes"]
         return out
 
     def source(self, kernel: str = "forward", backend: str = "metal", dtype=mx.float32, **schedule):
@@ -153,17 +168,32 @@ class Recurrence:
         ``kernel`` is ``"forward"`` or ``"backward"`` (the sequential schedule's kernels), or with
         ``schedule="chunked"`` one of ``"summary"``, ``"carry"``, ``"outputs"``,
         ``"local_adjoint"``, ``"adjoint_carry"``, ``"gradients"``; ``backend`` is ``"metal"``,
-        ``"cuda"`` or ``"mlx"`` (the rendered Python step function)."""
+        ``"cuda"`` or ``"mlx"`` (the rendered Python step function). ``dtype`` is the inputs'
+        dtype, or a dict of dtypes by input name (float32 for inputs it omits): bool and
+        integer inputs give the kernels that compute no gradient for them."""
         if "seg" in schedule:
             schedule["seg"] = positive_int(f"{self.name}.source()", "seg", schedule["seg"])
+        names = list(self.spec.inputs)
+        if isinstance(dtype, dict):
+            unknown = [k for k in dtype if k not in self.spec.inputs]
+            if unknown:
+                raise ValueError(f"{self.name}.source(): dtype names unknown inputs {unknown}; "
+                                 f"inputs are {names}")
+            dtypes = [dtype.get(n, mx.float32) for n in names]
+        else:
+            dtypes = [dtype] * len(names)
+        for n, d in zip(names, dtypes):
+            if d not in FLOAT_DTYPES + INDEX_DTYPES:
+                raise ValueError(f"{self.name}.source(): input '{n}' cannot have dtype {d}")
+        rec = self._for_dtypes(dtypes)
         if backend == "mlx":
             if kernel not in ("forward", "backward"):
                 raise ValueError(f"kernel must be 'forward' or 'backward', got {kernel!r}")
-            b = self._backend("mlx")
+            b = rec._backend("mlx")
             return (b.forward_step if kernel == "forward" else b.backward_step).source
         from .backends.kernels import kernel_source
 
-        return kernel_source(self, kernel, backend, dtype, **schedule)
+        return kernel_source(rec, kernel, backend, dict(zip(names, dtypes)), **schedule)
 
     # -- calling ----------------------------------------------------------------------------------
     def _bind(self, args, kwargs, initial_state):
@@ -184,12 +214,14 @@ class Recurrence:
 
         sizes, where = {}, {}
 
-        def check(arg, x, t):
+        def check(arg, x, t, index_ok=False):
             if not isinstance(x, mx.array):
                 raise TypeError(f"{s.name}(): argument '{arg}' must be an mx.array, got {type(x).__name__}")
-            if x.dtype not in FLOAT_DTYPES:
+            if x.dtype not in FLOAT_DTYPES and not (index_ok and x.dtype in INDEX_DTYPES):
                 raise TypeError(f"{s.name}(): argument '{arg}' has dtype {_dtype_name(x.dtype)}; "
-                                "expected float32, float16 or bfloat16")
+                                "expected float32, float16 or bfloat16"
+                                + (", or bool or an integer type (not differentiated)"
+                                   if index_ok else ""))
             if x.ndim != len(t.axes):
                 raise ValueError(f"{s.name}(): argument '{arg}' has shape {tuple(x.shape)} "
                                  f"({x.ndim} axes); expected {len(t.axes)} axes ({_axes_text(t)})")
@@ -207,7 +239,7 @@ class Recurrence:
                 raise ValueError(f"{s.name}(): argument '{arg}' is empty (shape {tuple(x.shape)})")
 
         for n in names:
-            check(n, values[n], s.inputs[n])
+            check(n, values[n], s.inputs[n], index_ok=True)
 
         states = {}
         if initial_state is not None:
@@ -230,12 +262,29 @@ class Recurrence:
             if a not in sizes:
                 raise ValueError(f"{s.name}(): the size of axis {a} cannot be inferred from the "
                                  "inputs; pass initial_state")
+        for coarse, fine in s.groups.items():
+            if coarse in sizes and sizes[fine] % sizes[coarse]:
+                raise ValueError(f"{s.name}(): axis {fine} has size {sizes[fine]}, which its group "
+                                 f"axis {coarse} of size {sizes[coarse]} (in '{where[coarse]}') "
+                                 f"does not divide; each of the {sizes[coarse]} groups must "
+                                 f"serve the same number of {fine}")
         for k, t in s.states.items():
             if k not in states:
                 states[k] = mx.zeros(declared_shape(t, sizes), dtype=mx.float32)
-        floats = {values[n].dtype for n in names}
+        floats = {values[n].dtype for n in names if values[n].dtype in FLOAT_DTYPES}
         out_dtype = floats.pop() if len(floats) == 1 else mx.float32
         return [values[n] for n in names], [states[k] for k in s.states], sizes, out_dtype
+
+    def _for_dtypes(self, dtypes) -> "Recurrence":
+        """The recurrence that runs inputs of these dtypes (in declaration order): this one, or
+        (when some are bool or integer) its twin with those inputs non-differentiable
+        (``Spec.without_gradients``), compiled once per such set of inputs."""
+        fixed = frozenset(n for n, d in zip(self.spec.inputs, dtypes) if d not in FLOAT_DTYPES)
+        if not fixed:
+            return self
+        if fixed not in self._variants:
+            self._variants[fixed] = Recurrence(self.spec.without_gradients(fixed))
+        return self._variants[fixed]
 
     def _backend(self, backend):
         if backend == "auto":
@@ -268,8 +317,8 @@ class Recurrence:
             outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype, **options)
             return (*outs, *finals, *residuals)
 
-        kernel_backward = _first_order_only(backend, n_in, n_out, n_state, sizes, seg, options) \
-            if kernel else None
+        kernel_backward = _first_order_only(self.spec, backend, n_in, n_out, n_state, sizes, seg,
+                                            options) if kernel else None
 
         if not kernel:
             def plain(*arrays):  # the body without the stop-gradient, open to MLX's transforms
@@ -294,7 +343,7 @@ class Recurrence:
                 d_res = list(cotangents[n_out + n_state:])
                 grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes,
                                                  seg, d_residuals=d_res, **options)
-                return (*grads, *d_init)
+                return (*_with_zeros(self.spec, inputs, grads), *d_init)
             return kernel_backward(*inputs, *states, *residuals, *d_out, *d_fin)
 
         @fn.jvp
@@ -325,7 +374,9 @@ class Recurrence:
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
         rec = self.tangent
         fn = rec._function(rec._backend(backend.name), seg, sizes, out_dtype, options)
-        results = fn(*primals[:n_in], *tangents[:n_in], *primals[n_in:], *tangents[n_in:])
+        # bool and integer inputs have no tangent in the tangent recurrence
+        d_in = [d for t, d in zip(self.spec.inputs.values(), tangents) if t.differentiable]
+        results = fn(*primals[:n_in], *d_in, *primals[n_in:], *tangents[n_in:])
         d_out = results[n_out:2 * n_out]
         d_fin = results[2 * n_out + n_state:2 * n_out + 2 * n_state]
         if options.get("schedule", "sequential") == "chunked":
@@ -346,28 +397,30 @@ class Recurrence:
             return call_distributed(self, group, args, kwargs, initial_state=initial_state,
                                     return_state=return_state, backend=backend, seg=seg,
                                     schedule=schedule)
-        impl, seg, sizes, out_dtype, options, inputs, states = self._prepare(
+        rec, impl, seg, sizes, out_dtype, options, inputs, states = self._prepare(
             args, kwargs, initial_state, backend, seg, schedule)
-        fn = self._function(impl, seg, sizes, out_dtype, options)
+        fn = rec._function(impl, seg, sizes, out_dtype, options)
         results = fn(*inputs, *states)
         n_out, n_state = len(self.spec.outputs), len(self.spec.states)
         return self._package(results[:n_out], results[n_out:n_out + n_state], return_state)
 
     def _prepare(self, args, kwargs, initial_state, backend, seg, schedule):
-        """Checked arguments and the choices of one call: ``(backend implementation, seg,
-        sizes, output dtype, kernel options, inputs, initial states)``."""
+        """Checked arguments and the choices of one call: ``(the recurrence that runs it — this
+        one, or its twin without gradients for bool and integer inputs —, backend implementation,
+        seg, sizes, output dtype, kernel options, inputs, initial states)``."""
         kwargs = dict(kwargs)
         options = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
         if seg is not None:
             seg = positive_int(f"{self.name}()", "seg", seg)
-        impl = self._backend(backend)
+        rec = self._for_dtypes([x.dtype for x in inputs])
+        impl = rec._backend(backend)
         if options and impl.name == "mlx":
             raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
-        kind, seg = choose_schedule(self, sizes, schedule, seg, impl.name)
+        kind, seg = choose_schedule(rec, sizes, schedule, seg, impl.name)
         if impl.name != "mlx":
             options["schedule"] = kind
-        return impl, seg, sizes, out_dtype, options, inputs, states
+        return rec, impl, seg, sizes, out_dtype, options, inputs, states
 
     def _package(self, outs, finals, return_state):
         """The call's results: the output (a tuple for several), then the final state (a dict
@@ -430,7 +483,15 @@ def _vmap_guard(backend):
     return guard
 
 
-def _first_order_only(backend, n_in, n_out, n_state, sizes, seg, schedule):
+def _with_zeros(spec, inputs, grads) -> list:
+    """The gradients of the differentiable inputs, with zeros of each bool or integer input's
+    shape and dtype in its place (MLX's cotangent for such an input)."""
+    grads = iter(grads)
+    return [next(grads) if t.differentiable else mx.zeros_like(x)
+            for t, x in zip(spec.inputs.values(), inputs)]
+
+
+def _first_order_only(spec, backend, n_in, n_out, n_state, sizes, seg, schedule):
     """A kernel backend's backward as a custom function whose own derivatives raise: a kernel is
     opaque to MLX, so a second derivative through it would otherwise be silently 0 (or an
     internal error on a GPU)."""
@@ -442,7 +503,7 @@ def _first_order_only(backend, n_in, n_out, n_state, sizes, seg, schedule):
         residuals = list(arrays[n_in + n_state:-n_out - n_state])
         grads, d_init = backend.backward(inputs, states, residuals, d_out, d_fin, sizes, seg,
                                          **schedule)
-        return (*grads, *d_init)
+        return (*_with_zeros(spec, inputs, grads), *d_init)
 
     backward.vjp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
     backward.jvp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))

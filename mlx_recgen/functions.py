@@ -61,9 +61,17 @@ def pow(x, y):
 
 
 def where(cond, a, b):
-    """``a`` where ``cond`` holds, else ``b`` (``cond`` is a comparison such as ``x > 0``)."""
-    if not isinstance(cond, sympy.logic.boolalg.Boolean):
-        raise TypeError(f"where(): the condition must be a comparison, got {cond!r}")
+    """``a`` where ``cond`` holds, else ``b``. ``cond`` is a comparison such as ``x > 0`` (or a
+    logical combination of comparisons), or a value, which holds where it is nonzero: a bool
+    mask input holds where it is true."""
+    try:
+        cond = sympy.sympify(cond)
+    except sympy.SympifyError:
+        raise TypeError(f"where(): the condition must be a comparison or a value, got {cond!r}") from None
+    if isinstance(cond, sympy.Expr):  # a value (an input symbol is one too): nonzero holds
+        cond = sympy.Ne(cond, 0)
+    elif not isinstance(cond, sympy.logic.boolalg.Boolean):
+        raise TypeError(f"where(): the condition must be a comparison or a value, got {cond!r}")
     return sympy.Piecewise((sympy.sympify(a), cond), (sympy.sympify(b), True))
 
 

@@ -3,10 +3,13 @@ backend computes in.
 
 Canonical layout of a tensor: ``(batch axes in spec order..., [time], lane, state axis)`` with
 size 1 wherever the tensor lacks an axis, one array per component. A step slice of it
-broadcasts against every other tensor of the step.
+broadcasts against every other tensor of the step. An input with a group axis enters it
+expanded (``expand_groups``): as if it carried the batch-like axis the group axis groups.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import mlx.core as mx
 
@@ -103,3 +106,32 @@ def sum_to(x, shape: tuple) -> mx.array:
     if extra > 0:
         x = mx.sum(x, axis=list(range(extra)))
     return reduce_to(x, shape)
+
+
+def expanded(spec: Spec, t: Tensor) -> Tensor:
+    """Tensor ``t`` with every group axis replaced by the batch-like axis it groups."""
+    if not any(a in spec.groups for a in t.batch_axes):
+        return t
+    return dataclasses.replace(
+        t, axes=tuple(spec.grouped(a) if isinstance(a, str) else a for a in t.axes),
+        batch_axes=tuple(spec.grouped(a) for a in t.batch_axes))
+
+
+def expand_groups(spec: Spec, t: Tensor, x: mx.array, sizes: dict) -> mx.array:
+    """An input in the layout of ``expanded(spec, t)``: along each group axis, every group's
+    slice repeated for the ``H / Hk`` members of the group (member ``h`` reads ``h // (H / Hk)``)."""
+    for i, a in enumerate(t.axes):
+        if a in spec.groups:
+            x = mx.repeat(x, sizes[spec.groups[a]] // sizes[a], axis=i)
+    return x
+
+
+def sum_groups(spec: Spec, t: Tensor, g: mx.array, sizes: dict) -> mx.array:
+    """A gradient in the layout of ``expanded(spec, t)`` summed over the members of each group:
+    the gradient of ``t`` itself (the adjoint of ``expand_groups``)."""
+    for i, a in enumerate(t.axes):
+        if a in spec.groups:
+            shape = list(g.shape)
+            g = mx.sum(mx.reshape(g, shape[:i] + [sizes[a], shape[i] // sizes[a]] + shape[i + 1:]),
+                       axis=i + 1)
+    return g

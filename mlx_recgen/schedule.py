@@ -42,6 +42,14 @@ MAX_SHARED_FLOATS = MAX_SHARED_BYTES // 4
 COMPONENT = None  # the key of a component axis among axis names (never a str)
 LANE_GROUPS = 0  # the key of the partial-sum axis of a lane-reduced gradient (never a str)
 SEGMENTS = 1  # the key of the per-segment partial-sum axis of a parameter gradient (chunked)
+LANES = 2  # the key of the per-lane axis of a shared state's initial-state gradient
+
+
+def members(group_axis: str) -> tuple:
+    """The key of the partial-sum axis of a gradient over the members of a group axis (one
+    partial sum per ``h % (H / Hk)``)."""
+    return ("members", group_axis)
+
 
 SCHEDULES = ("auto", "sequential", "chunked")
 SEQUENTIAL_SEG = 32
@@ -103,7 +111,9 @@ def history_rows(spec: Spec, state_size: int) -> int:
 
 
 def needs_lane_reduction(spec: Spec) -> bool:
-    return any(not t.has_lane for t in spec.inputs.values())
+    """Some gradient is summed over lanes in the kernel: that of a differentiable input
+    without the lane axis."""
+    return any(not t.has_lane and t.differentiable for t in spec.inputs.values())
 
 
 def lane_reduced_rows(spec: Spec, state_size: int) -> tuple:
@@ -111,7 +121,7 @@ def lane_reduced_rows(spec: Spec, state_size: int) -> tuple:
     step, rows reduced once at the end). A vector slot has ``state_size`` rows."""
     vector = scalar = params = 0
     for t in spec.inputs.values():
-        if t.has_lane:
+        if t.has_lane or not t.differentiable:
             continue
         if not t.has_time:
             params += t.components * (state_size if t.has_state_axis else 1)
@@ -224,9 +234,14 @@ class MetaLayout:
 
     ``keys`` lists them in order: the generated names ``L``, ``instances``, ``lanes``,
     ``groups_per_instance``, ``segments``, then tuples for values tied to spec names:
-    ``("size", axis)``, ``("stride", tensor, axis)`` (``COMPONENT`` for a component axis) and
-    ``("d_stride", input, axis)`` (the lead axes of a gradient buffer, ``LANE_GROUPS`` for its
-    partial sums). The renderer spells the tuples through ``render.names``."""
+    ``("size", axis)`` (batch-like and group axes), ``("stride", tensor, axis)``
+    (``COMPONENT`` for a component axis) and ``("d_stride", tensor, axis)`` (the lead axes of a
+    gradient buffer: missing batch axes, ``members(group axis)``, ``LANE_GROUPS``, ``SEGMENTS``,
+    and ``LANES`` for a shared state's initial-state gradient). The renderer spells the tuples
+    through ``render.names``.
+
+    Gradient buffers exist for differentiable inputs only; each is the input's layout behind
+    lead axes that an MLX sum removes after the kernel (``grad_lead``)."""
 
     GENERATED = ("L", "instances", "lanes", "groups_per_instance", "segments")
 
@@ -234,6 +249,7 @@ class MetaLayout:
         self.spec = spec
         self.keys = list(self.GENERATED)
         self.keys += [("size", b) for b in spec.batch_axes]
+        self.keys += [("size", g) for g in spec.groups]
         self.tensor_axes = {}
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
             axes = list(t.batch_axes)
@@ -244,24 +260,40 @@ class MetaLayout:
                     axes.append(a)
             self.tensor_axes[t.name] = axes
             self.keys += [("stride", t.name, a) for a in axes]
-        # gradient buffers carry, in front of the input's own axes, the batch axes it lacks
-        # (and, in front of those, one partial sum per group when reduced over lanes)
-        self.grad_axes = {t.name: [b for b in spec.batch_axes if b not in t.batch_axes]
-                          for t in spec.inputs.values()}
-        for t in spec.inputs.values():
+        # gradient buffers carry, in front of the input's own axes, the batch axes it lacks, in
+        # front of those one partial sum per member of each group axis it carries, and in front
+        # of those one partial sum per group of lanes when reduced over lanes
+        differentiable = [t for t in spec.inputs.values() if t.differentiable]
+        self.grad_axes = {t.name: [b for b in spec.batch_axes if not spec.covers(t, b)]
+                          for t in differentiable}
+        self.grad_members = {t.name: [a for a in t.batch_axes if a in spec.groups]
+                             for t in differentiable}
+        for t in differentiable:
             self.keys += [("d_stride", t.name, b) for b in self.grad_axes[t.name]]
+            self.keys += [("d_stride", t.name, members(g)) for g in self.grad_members[t.name]]
             if not t.has_lane:
                 self.keys.append(("d_stride", t.name, LANE_GROUPS))
             if not t.has_time:  # the chunked backward's one partial sum per segment
                 self.keys.append(("d_stride", t.name, SEGMENTS))
+        # a shared state's initial-state gradient: one share per lane, summed after the kernel
+        self.keys += [("d_stride", t.name, LANES) for t in spec.states.values() if not t.has_lane]
 
     def grad_lead(self, t, sizes, schedule) -> tuple:
         """The lead axes of the kernel's gradient buffer for input ``t``, summed after it:
-        segments (the chunked schedule's parameter gradients), lane groups, missing batch axes."""
+        segments (the chunked schedule's parameter gradients), lane groups, group members,
+        missing batch axes."""
         segments = ((-(-sizes[self.spec.time] // schedule.seg),)
                     if schedule.kind == "chunked" and not t.has_time else ())
         groups = (schedule.groups_per_instance,) if schedule.lane_partials and not t.has_lane else ()
-        return segments + groups + tuple(sizes[b] for b in self.grad_axes[t.name])
+        group_members = tuple(sizes[self.spec.groups[g]] // sizes[g]
+                              for g in self.grad_members[t.name])
+        return segments + groups + group_members + tuple(sizes[b] for b in self.grad_axes[t.name])
+
+    def d_init_shape(self, t, sizes) -> tuple:
+        """Shape of the kernel's initial-state gradient of state ``t``: its declared shape, behind
+        one share per lane for a shared state (summed after the kernel)."""
+        shape = tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
+        return shape if t.has_lane else (sizes[self.spec.lane],) + shape
 
     def grad_shape(self, t, sizes, schedule) -> tuple:
         """Shape of the kernel's gradient buffer for input ``t``."""
@@ -276,22 +308,33 @@ class MetaLayout:
         v = {"L": sizes[spec.time], "instances": instances, "lanes": sizes[spec.lane],
              "groups_per_instance": schedule.groups_per_instance,
              "segments": -(-sizes[spec.time] // schedule.seg)}
-        v.update({("size", b): sizes[b] for b in spec.batch_axes})
+        v.update({("size", b): sizes[b] for b in [*spec.batch_axes, *spec.groups]})
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
             st = axis_strides(t, sizes)
             for a in self.tensor_axes[t.name]:
                 v[("stride", t.name, a)] = st[a]
         for t in spec.inputs.values():
+            if not t.differentiable:
+                continue
             step = 1
             for a in t.axes:
                 step *= a if isinstance(a, int) else sizes[a]
             for b in reversed(self.grad_axes[t.name]):
                 v[("d_stride", t.name, b)] = step
                 step *= sizes[b]
+            for g in reversed(self.grad_members[t.name]):
+                v[("d_stride", t.name, members(g))] = step
+                step *= sizes[spec.groups[g]] // sizes[g]
             if not t.has_lane:
                 v[("d_stride", t.name, LANE_GROUPS)] = step
                 if schedule.lane_partials:
                     step *= schedule.groups_per_instance
             if not t.has_time:
                 v[("d_stride", t.name, SEGMENTS)] = step
+        for t in spec.states.values():
+            if not t.has_lane:
+                step = 1
+                for a in t.axes:
+                    step *= a if isinstance(a, int) else sizes[a]
+                v[("d_stride", t.name, LANES)] = step
         return [v[k] for k in self.keys]

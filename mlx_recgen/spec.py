@@ -11,6 +11,15 @@ roles of the axes follow from the declarations:
 * the *state axis*: the one remaining axis of the state. Each thread keeps a vector over it; the
   body addresses it through the index parameter (``n``) and reduces over it with ``Sum``.
 * component axes (integer literals): indexed by constant integers in the body.
+* *group* axes (``groups={"Hk": "H"}``): a coarser index of a batch-like axis. An input that
+  carries ``Hk`` instead of ``H`` serves every ``H`` of its group: instance ``h`` reads it at
+  ``h // (H / Hk)``.
+
+A state without the lane axis is *shared* by the lanes of an instance: every lane computes the
+same value, so its update may read only lane-invariant values (states and inputs without the
+lane axis). Inputs are differentiable when they are floating point; bool and integer inputs
+(masks, lengths, positions) are non-differentiable (``Tensor.differentiable``, set per call by
+``Spec.without_gradients``).
 
 The body is plain Python run once on sympy symbols; what it computes is read back as expressions.
 """
@@ -22,7 +31,7 @@ import linecache
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import sympy
 
@@ -66,7 +75,9 @@ class Tensor:
     has_lane: bool
     has_state_axis: bool
     components: int  # size of the component axis, 1 if none
-    batch_axes: tuple  # the batch-like axes it carries, in the spec's batch order
+    batch_axes: tuple  # the batch-like axes it carries (a group axis in the place of the axis
+    # it groups), in the spec's batch order
+    differentiable: bool = True  # an input that gets a gradient (False: bool/integer inputs)
 
 
 @dataclass(frozen=True)
@@ -306,16 +317,41 @@ class Spec:
     output_exprs: dict  # Slot -> expression
     reduce_names: dict  # Reduce expression -> the body's local name for it
     source_file: str | None = None
+    groups: dict = field(default_factory=dict)  # group axis -> the batch-like axis it groups
 
     @property
     def tensors(self) -> dict:
         return {**self.states, **self.inputs, **self.outputs}
 
+    def grouped(self, axis):
+        """The batch-like axis a group axis groups; any other axis itself."""
+        return self.groups.get(axis, axis)
+
+    def covers(self, t: Tensor, batch_axis: str) -> bool:
+        """Whether tensor ``t`` carries ``batch_axis`` or a group axis of it."""
+        return any(self.grouped(a) == batch_axis for a in t.batch_axes)
+
+    def lane_varying(self) -> set:
+        """Symbols that vary over the lanes of an instance: those of inputs and states with the
+        lane axis."""
+        return {sym for slot, sym in self.symbols.items() if self.tensors[slot.tensor].has_lane}
+
+    def without_gradients(self, names) -> "Spec":
+        """The same spec with the inputs ``names`` non-differentiable: the adjoint derives no
+        gradient for them and the tangent recurrence no tangent."""
+        names = set(names)
+        if not names:
+            return self
+        inputs = {k: replace(t, differentiable=False) if k in names else t
+                  for k, t in self.inputs.items()}
+        return replace(self, inputs=inputs)
+
     def state_slots(self):
         return [Slot(t.name, c) for t in self.states.values() for c in range(t.components)]
 
-    def input_slots(self):
-        return [Slot(t.name, c) for t in self.inputs.values() for c in range(t.components)]
+    def input_slots(self, differentiable_only: bool = False):
+        return [Slot(t.name, c) for t in self.inputs.values() for c in range(t.components)
+                if t.differentiable or not differentiable_only]
 
     def output_slots(self):
         return [Slot(t.name, c) for t in self.outputs.values() for c in range(t.components)]
@@ -324,7 +360,7 @@ class Spec:
         return symbol in self.vector_symbols
 
 
-def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec:
+def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=None) -> Spec:
     spec_name = name or fn.__name__
     for arg, value in (("state", state), ("inputs", inputs), ("outputs", outputs)):
         if not isinstance(value, dict) or not value:
@@ -369,16 +405,16 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
                                            "that other outputs carry; every output carries every "
                                            "batch-like axis")
 
-    # The state axis: what states carry besides lane, batch and components.
+    groups = _check_groups(spec_name, groups, raw, batch_axes, time, lane)
+
+    # The state axis: what states carry besides lane, batch and components. A state without the
+    # lane axis is shared by the lanes of an instance.
     state_axes = []
     for tname, (kind, axes) in raw.items():
         if kind != "state":
             continue
         if time in axes:
             raise SpecError(spec_name, f"state '{tname}' must not carry the time axis '{time}'")
-        if lane not in axes:
-            raise SpecError(spec_name, f"state '{tname}' lacks the lane axis '{lane}' "
-                                       "(each lane keeps its own state)")
         for b in batch_axes:
             if b not in axes:
                 raise SpecError(spec_name, f"state '{tname}' lacks the batch axis '{b}' "
@@ -393,20 +429,23 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
                                    "batch axis must be carried by every output")
     state_axis = state_axes[0] if state_axes else None
 
-    known = set(batch_axes) | {time, lane} | ({state_axis} if state_axis else set())
+    known = set(batch_axes) | set(groups) | {time, lane} | ({state_axis} if state_axis else set())
     tensors = {}
     for tname, (kind, axes) in raw.items():
         for a in axes:
             if isinstance(a, str) and a not in known:
                 raise SpecError(spec_name, f"tensor '{tname}': unknown axis '{a}' (not the time "
-                                           "or lane axis, not carried by an output or a state; "
-                                           "batch axes are the ones the outputs carry)")
+                                           "or lane axis, not carried by an output or a state, "
+                                           "not a group axis; batch axes are the ones the outputs "
+                                           "carry)")
         comps = [a for a in axes if isinstance(a, int)]
+        carried = []
+        for b in batch_axes:
+            carried += [a for a in axes if a == b or groups.get(a) == b]
         tensors[tname] = Tensor(
             name=tname, kind=kind, axes=axes, has_time=time in axes, has_lane=lane in axes,
             has_state_axis=state_axis is not None and state_axis in axes,
-            components=comps[0] if comps else 1,
-            batch_axes=tuple(b for b in batch_axes if b in axes),
+            components=comps[0] if comps else 1, batch_axes=tuple(carried),
         )
 
     # Body parameters: states and inputs by name, then the state index.
@@ -499,7 +538,7 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None) -> Spec
         states={t: tensors[t] for t in state}, inputs={t: tensors[t] for t in inputs},
         outputs={t: tensors[t] for t in outputs}, symbols=dict(tracer.symbols),
         vector_symbols=vector_symbols, state_updates=updates, output_exprs=output_exprs,
-        reduce_names=reduce_names, source_file=inspect.getsourcefile(fn),
+        reduce_names=reduce_names, source_file=inspect.getsourcefile(fn), groups=groups,
     )
     _validate_expressions(spec)
     return spec
@@ -551,6 +590,42 @@ def _explain_body_error(exc) -> str:
     return f"tracing the body failed: {type(exc).__name__}: {exc}"
 
 
+def _check_groups(spec_name, groups, raw, batch_axes, time, lane) -> dict:
+    """The ``groups`` declaration (group axis -> the batch-like axis it groups), checked: only
+    inputs carry a group axis, never beside the axis it groups or another group axis of it."""
+    if groups is None:
+        return {}
+    if not isinstance(groups, dict):
+        raise SpecError(spec_name, "'groups' must be a dict of group axis -> batch-like axis, "
+                                   f'like {{"Hk": "H"}}, got {groups!r}')
+    for coarse, fine in groups.items():
+        for value in (coarse, fine):
+            if not isinstance(value, str) or not value.isidentifier():
+                raise SpecError(spec_name, f"groups: {value!r} is not an axis name")
+        if fine not in batch_axes:
+            raise SpecError(spec_name, f"groups: '{coarse}' groups '{fine}', which is not a "
+                                       f"batch-like axis (batch-like axes are those the outputs "
+                                       f"carry besides time and lane: {list(batch_axes)})")
+        if coarse in batch_axes or coarse in (time, lane) or coarse in groups.values():
+            raise SpecError(spec_name, f"groups: group axis '{coarse}' is also the time, lane or "
+                                       "a batch-like axis; a group axis needs a name of its own")
+    for coarse in groups:
+        users = [t for t, (kind, axes) in raw.items() if coarse in axes]
+        if not users:
+            raise SpecError(spec_name, f"groups: no input carries the group axis '{coarse}'")
+        for tname in users:
+            kind, axes = raw[tname]
+            if kind != "input":
+                raise SpecError(spec_name, f"{kind} '{tname}' carries the group axis '{coarse}'; "
+                                           "only inputs may (states and outputs carry "
+                                           f"'{groups[coarse]}')")
+            twins = [a for a in axes if a == groups[coarse] or groups.get(a) == groups[coarse]]
+            if len(twins) > 1:
+                raise SpecError(spec_name, f"input '{tname}' carries {twins}, which all index "
+                                           f"'{groups[coarse]}'; it may carry one of them")
+    return dict(groups)
+
+
 _NOT_REAL = {sympy.I: "the imaginary unit 'I'",
              sympy.zoo: "complex infinity 'zoo' (sympy's value of a division by zero)"}
 
@@ -560,6 +635,7 @@ def _validate_expressions(spec: Spec):
     included) and differentiable functions, and must not use the state index where a scalar is
     required."""
     known = set(spec.symbols.values())
+    lane_varying = spec.lane_varying()
     exprs = [(f"state '{s.label(spec.states[s.tensor].components)}'", e, spec.states[s.tensor])
              for s, e in spec.state_updates.items()]
     exprs += [(f"output '{s.label(spec.outputs[s.tensor].components)}'", e, None)
@@ -584,6 +660,18 @@ def _validate_expressions(spec: Spec):
             if state_tensor is None or not state_tensor.has_state_axis:
                 raise SpecError(spec.name, f"{what} depends on the state index outside a "
                                            f"Sum(..., {spec.index_name}); a scalar is required")
+        if state_tensor is not None and not state_tensor.has_lane:
+            varying = sorted(expr.free_symbols & lane_varying, key=str)
+            if varying:
+                slot = next(s for s, sym in spec.symbols.items() if sym == varying[0])
+                t = spec.tensors[slot.tensor]
+                raise SpecError(spec.name, f"{what} lacks the lane axis '{spec.lane}', so the "
+                                           "lanes of an instance share it and must all compute "
+                                           f"the same value; its update reads {t.kind} "
+                                           f"'{slot.label(t.components)}', which varies over "
+                                           f"the lanes (it carries '{spec.lane}'). Give "
+                                           f"'{state_tensor.name}' the lane axis, or update it "
+                                           "from lane-invariant values only")
 
 
 def _uses_vector_outside_reduce(spec, expr) -> bool:

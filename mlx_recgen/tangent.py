@@ -7,7 +7,8 @@ the tangents follow the same time loop:
     ẏ  = the same with G
 
 so the *tangent spec* has the original states plus one tangent state per state (same axes), the
-original inputs plus one tangent per input, and the original outputs plus one tangent per output.
+original inputs plus one tangent per differentiable input (a bool or integer input has none),
+and the original outputs plus one tangent per output.
 It is a plain ``Spec`` and compiles, checkpoints and runs like any other recurrence, on every
 backend. Each ``Reduce`` node is an atom while differentiating (a dummy symbol); its tangent is
 the ``Reduce`` of its body's tangent.
@@ -123,7 +124,7 @@ def tangent_spec(spec: Spec) -> TangentSpec:
     States, inputs and outputs keep their order; the tangents follow the originals, in the same
     order: states ``(*states, *state tangents)``, likewise inputs and outputs."""
     names = _Names(spec)
-    tname = {t: names(f"{t}_dot") for t in spec.tensors}
+    tname = {k: names(f"{k}_dot") for k, t in spec.tensors.items() if t.differentiable}
 
     def tangent_tensor(t):
         return dataclasses.replace(t, name=tname[t.name])
@@ -133,6 +134,8 @@ def tangent_spec(spec: Spec) -> TangentSpec:
     dot = {}
     for slot, sym in spec.symbols.items():
         t = spec.tensors[slot.tensor]
+        if not t.differentiable:  # a bool or integer input: its tangent is zero
+            continue
         base = tname[t.name] if t.components == 1 else f"{tname[t.name]}{slot.component}"
         s = sympy.Symbol(base if base == tname[t.name] else names(base), real=True)
         symbols[Slot(tname[t.name], slot.component)] = s
@@ -155,11 +158,12 @@ def tangent_spec(spec: Spec) -> TangentSpec:
         time=spec.time, lane=spec.lane, batch_axes=spec.batch_axes, state_axis=spec.state_axis,
         index_name=spec.index_name,
         states={**spec.states, **{tname[k]: tangent_tensor(t) for k, t in spec.states.items()}},
-        inputs={**spec.inputs, **{tname[k]: tangent_tensor(t) for k, t in spec.inputs.items()}},
+        inputs={**spec.inputs, **{tname[k]: tangent_tensor(t) for k, t in spec.inputs.items()
+                                  if t.differentiable}},
         outputs={**spec.outputs, **{tname[k]: tangent_tensor(t) for k, t in spec.outputs.items()}},
         symbols=symbols, vector_symbols=frozenset(vector), state_updates=updates,
         output_exprs=outputs, reduce_names={**spec.reduce_names, **tangent.new_reduce_names},
-        source_file=spec.source_file,
+        source_file=spec.source_file, groups=spec.groups,
     )
     _validate_expressions(tspec)
     return TangentSpec(tspec, tname)

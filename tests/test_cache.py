@@ -131,3 +131,16 @@ def test_unwritable_cache_still_builds(tmp_path, monkeypatch, derivations):
     monkeypatch.setenv("MLX_RECGEN_CACHE", str(blocker / "sub"))  # a path under a file
     rec = Recurrence(_spec())
     assert derivations == ["cached"] and "lambda h" in rec.adjoint_ir()
+
+
+def test_spec_without_gradients_misses(cache_dir, derivations):
+    """The twin a call with bool or integer inputs runs derives no gradient for them: a cached
+    adjoint of the full spec must not serve it."""
+    spec = _spec()
+    name = next(iter(spec.inputs))
+    twin = spec.without_gradients([name])
+    assert cache.spec_key(twin) != cache.spec_key(spec)
+    full, without = Recurrence(spec), Recurrence(twin)
+    assert derivations == ["cached", "cached"]
+    assert any(s.slot.tensor == name for s in full.adjoint.program.stores("grad"))
+    assert not any(s.slot.tensor == name for s in without.adjoint.program.stores("grad"))

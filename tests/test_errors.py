@@ -48,10 +48,16 @@ def test_mismatched_axis_sizes(ssd):
 
 @pytest.mark.parametrize("dtype", [mx.int32, mx.bool_, mx.uint8])
 def test_integer_dtype(ssd, dtype):
-    rec, (u, delta, B, C, A), _ = ssd
-    with pytest.raises(TypeError, match=r"argument 'A' has dtype \w+; expected float32, float16 "
-                                        r"or bfloat16"):
-        call(rec, [u, delta, B, C, A.astype(dtype)])
+    """Bool and integer inputs are accepted (and not differentiated); initial states must be
+    floating point."""
+    rec, (u, delta, B, C, A), h0 = ssd
+    call(rec, [u, delta, B, C, A.astype(dtype)])
+    with pytest.raises(TypeError, match=r"argument 'initial_state' has dtype \w+; expected "
+                                        r"float32, float16 or bfloat16$"):
+        call(rec, [u, delta, B, C, A], initial_state=h0.astype(dtype))
+    with pytest.raises(TypeError, match=r"argument 'A' has dtype float64; expected float32, "
+                                        r"float16 or bfloat16, or bool or an integer type"):
+        call(rec, [u, delta, B, C, A.astype(mx.float64)])
 
 
 def test_not_an_array(ssd):
@@ -303,10 +309,11 @@ def test_other_malformed_specs():
         def lt(h, a):
             h = a * h
             return {"y": h}
-    with pytest.raises(rg.SpecError, match=r"spec 'snl': state 'h' lacks the lane axis 'D'"):
+    with pytest.raises(rg.SpecError, match=r"spec 'snl': state 'h' lacks the lane axis 'D', so "
+                                           r"the lanes of an instance share it"):
         @rg.recurrence(**decl(SCALAR, state={"h": "B"}))
         def snl(h, a, x):
-            h = h + 1
+            h = h + a
             return {"y": a * h + x}
     with pytest.raises(rg.SpecError, match=r"spec 'st': state 'h' must not carry the time axis"):
         @rg.recurrence(**decl(SCALAR, state={"h": "B L D"}))

@@ -22,7 +22,11 @@ Chunked schedule (three kernels per pass, ``render/chunked.py``):
             ->  d_<state>_init..., <state>_lamend...
   gradients: inputs..., <state>_ckpt..., d_<output>..., <state>_lamend..., meta  ->  d_<input>...
 
-Buffer names are spelled through ``render.names`` (``u_`` + the spec's name).
+Buffer names are spelled through ``render.names`` (``u_`` + the spec's name). ``d_<input>``
+exists for differentiable inputs only (bool and integer inputs get none). A shared state (without
+the lane axis) has one lane in the buffers of its values (``_ckpt``, the forward's ``_local``) and
+all lanes in those of its adjoint's shares (the backward's ``_local``, ``_lamend``, and
+``d_<state>_init``, whose lane shares an MLX sum adds up after the kernel).
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ class KernelBackend:
                             [*(ids["buffer", t] for t in s.outputs),
                              *(ids["final", t] for t in s.states),
                              *(ids["ckpt", t] for t in s.states)])
-        outs = [*(ids["d", t] for t in s.inputs), *(ids["d_init", t] for t in s.states)]
+        outs = [*(ids["d", t] for t in _differentiable(s)), *(ids["d_init", t] for t in s.states)]
         if schedule.history == "scratch":
             outs.append("scratch")
         return _Buffers([*(ids["buffer", t] for t in s.inputs), *(ids["ckpt", t] for t in s.states),
@@ -121,7 +125,7 @@ class KernelBackend:
             "adjoint_carry": ([*(ids["d_final", t] for t in s.states), *local, *prods, "meta"],
                               [*(ids["d_init", t] for t in s.states), *lamend]),
             "gradients": ([*inputs, *ckpt, *d_outs, *lamend, "meta"],
-                          [ids["d", t] for t in s.inputs]),
+                          [ids["d", t] for t in _differentiable(s)]),
         }
         if kind not in table:
             raise ValueError(f"the chunked schedule's kernels are {CHUNKED_KERNELS}, got {kind!r}")
@@ -172,15 +176,27 @@ class KernelBackend:
     def _meta(self, sizes, schedule):
         return mx.array(self.meta.values(sizes, schedule), dtype=mx.int64)
 
-    def _ckpt_shape(self, t, sizes, schedule, instances):
+    def _ckpt_shape(self, t, sizes, schedule, instances, shares=False):
         """(segments, instances, components, rows, lanes): NS rows for a vector state, one for a
-        scalar state."""
+        scalar state; one lane for a shared state's values, all lanes for its adjoint's shares
+        (``shares``)."""
         segments = -(-sizes[self.rec.spec.time] // schedule.seg)
         rows = schedule.state_size if t.has_state_axis else 1
-        return (segments, instances, t.components, rows, sizes[self.rec.spec.lane])
+        lanes = sizes[self.rec.spec.lane] if t.has_lane or shares else 1
+        return (segments, instances, t.components, rows, lanes)
 
-    def _state_buffer_shapes(self, sizes, schedule, instances):
-        return [self._ckpt_shape(t, sizes, schedule, instances) for t in self.rec.spec.states.values()]
+    def _state_buffer_shapes(self, sizes, schedule, instances, shares=False):
+        return [self._ckpt_shape(t, sizes, schedule, instances, shares)
+                for t in self.rec.spec.states.values()]
+
+    def _d_init_shapes(self, sizes):
+        return [self.meta.d_init_shape(t, sizes) for t in self.rec.spec.states.values()]
+
+    def _finish_d_init(self, results, states):
+        """The initial states' gradients: a shared state's lane shares summed (a deterministic
+        MLX sum after the kernel), each in its initial state's dtype."""
+        return [(g if t.has_lane else mx.sum(g, axis=0)).astype(x.dtype)
+                for t, g, x in zip(self.rec.spec.states.values(), results, states)]
 
     def _product_shapes(self, sizes, schedule, instances):
         segments = -(-sizes[self.rec.spec.time] // schedule.seg)
@@ -235,8 +251,8 @@ class KernelBackend:
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         kernel = self.kernel("backward", sch, dtypes)
-        shapes = [self.meta.grad_shape(t, sizes, sch) for t in spec.inputs.values()]
-        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
+        shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+        shapes += self._d_init_shapes(sizes)
         if sch.history == "scratch":
             shapes.append((sch.seg * history_rows(spec, sch.state_size) * instances
                            * sch.groups_per_instance * sch.threads,))
@@ -244,16 +260,20 @@ class KernelBackend:
                                  *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
                          template=sch.template(), grid=grid, threadgroup=group,
                          output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes))
-        n_in = len(spec.inputs)
+        n_in = len(_differentiable(spec))
         grads = self._finish_grads(inputs, results[:n_in], sizes, sch)
-        d_init = [g.astype(x.dtype) for g, x in zip(results[n_in:n_in + len(spec.states)], states)]
-        return grads, d_init
+        return grads, self._finish_d_init(results[n_in:n_in + len(spec.states)], states)
 
     def _finish_grads(self, inputs, results, sizes, sch):
-        """Sum the gradient buffers' lead axes — per-segment partial sums (chunked), lane
-        groups, batch axes the input lacks — with a deterministic MLX sum."""
+        """The gradients of the differentiable inputs: the gradient buffers' lead axes —
+        per-segment partial sums (chunked), lane groups, group members, batch axes the input
+        lacks — summed with a deterministic MLX sum."""
         grads = []
-        for t, x, g in zip(self.rec.spec.inputs.values(), inputs, results):
+        results = iter(results)
+        for t, x in zip(self.rec.spec.inputs.values(), inputs):
+            if not t.differentiable:
+                continue
+            g = next(results)
             lead = len(self.meta.grad_lead(t, sizes, sch))
             if lead:
                 g = mx.sum(g, axis=tuple(range(lead)))
@@ -291,22 +311,27 @@ class KernelBackend:
         instances = self._launch(sizes, sch)[0]
         n_state = len(spec.states)
         ckpts, prods = residuals[:n_state], residuals[n_state:]
-        per_state = self._state_buffer_shapes(sizes, sch, instances)
+        shares = self._state_buffer_shapes(sizes, sch, instances, shares=True)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         buffers = [_as_buffer(x) for x in inputs]
         f32 = mx.float32
-        local = self._run("local_adjoint", sch, sizes, [*buffers, *ckpts, *d_outputs], per_state,
+        local = self._run("local_adjoint", sch, sizes, [*buffers, *ckpts, *d_outputs], shares,
                           [f32] * n_state, dtypes)
         carried = self._run("adjoint_carry", sch, sizes,
                             [*[g.astype(f32) for g in d_finals], *local, *prods],
-                            [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
+                            self._d_init_shapes(sizes) + shares,
                             [f32] * (2 * n_state), "float32")
         d_init, lam_end = carried[:n_state], list(carried[n_state:])
-        shapes = [self.meta.grad_shape(t, sizes, sch) for t in spec.inputs.values()]
+        shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
         results = self._run("gradients", sch, sizes, [*buffers, *ckpts, *d_outputs, *lam_end],
                             shapes, [f32] * len(shapes), dtypes)
         grads = self._finish_grads(inputs, results, sizes, sch)
-        return grads, [g.astype(x.dtype) for g, x in zip(d_init, states)]
+        return grads, self._finish_d_init(d_init, states)
+
+
+def _differentiable(spec) -> dict:
+    """The inputs that get a gradient (floating point ones; see ``Spec.without_gradients``)."""
+    return {k: t for k, t in spec.inputs.items() if t.differentiable}
 
 
 class _ArrayInfo:
@@ -328,8 +353,9 @@ CHUNKED_KERNELS = ("summary", "carry", "outputs", "local_adjoint", "adjoint_carr
 def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, lanes=64,
                   threads=None, schedule="sequential"):
     """The full text of a kernel as the backend compiles it (MLX's generated signature included),
-    for inputs of ``dtype`` and the schedule those sizes give. ``kind`` names a kernel of the
-    schedule: ``SEQUENTIAL_KERNELS`` or ``CHUNKED_KERNELS``."""
+    for inputs of ``dtype`` (one dtype, or a dict by input name) and the schedule those sizes
+    give. ``kind`` names a kernel of the schedule: ``SEQUENTIAL_KERNELS`` or ``CHUNKED_KERNELS``.
+    Group axes get size 2 and the axes they group 4."""
     from .mlx_source import cuda_source, metal_source
 
     if backend not in ("metal", "cuda", "metal-sim"):
@@ -342,7 +368,11 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
     if schedule == "chunked" and not rec.time_parallel:
         raise ValueError(f"{rec.name} has no chunked kernels: {rec.affine.reason}")
     spec = rec.spec
+    dtypes = dtype if isinstance(dtype, dict) else {n: dtype for n in spec.inputs}
+    floats = [d for d in dtypes.values() if d in (mx.float32, mx.float16, mx.bfloat16)]
+    dtype = floats[0] if len(set(floats)) == 1 else mx.float32  # of outputs and cotangents
     sizes = {a: 4 for a in spec.batch_axes}
+    sizes.update({g: 2 for g in spec.groups})
     sizes.update({spec.time: 128, spec.lane: lanes})
     if spec.state_axis:
         sizes[spec.state_axis] = state_size
@@ -359,7 +389,7 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
         if name == "meta":
             return _ArrayInfo(mx.int64, 1, len(impl.meta.keys))
         if name in by_name:
-            return _input_info(dtype, by_name[name])
+            return _input_info(dtypes[by_name[name].name], by_name[name])
         if name in d_outputs:
             return _ArrayInfo(dtype, len(d_outputs[name].axes))
         if name in whole_states:

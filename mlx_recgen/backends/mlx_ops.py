@@ -16,6 +16,12 @@ of a call is chosen. There is one form today:
   batch) run once per segment on arrays with a leading time axis. Inputs are laid out time-major
   once per call, so a segment is one slice and its steps one split.
 
+Group axes are expanded (``layout.expand_groups``) and their gradients summed back over the
+group; bool and integer inputs are read as fp32 and get no gradient (``backward`` returns the
+gradients of the differentiable inputs only). A shared state (without the lane axis) has size 1
+along the lanes in the forward, and its adjoint one share per lane in the backward, lane 0
+seeded with the cotangent (see ``adjoint``), summed over lanes for the initial state's gradient.
+
 Under ``mx.grad``, ``mx.vmap`` and inside any VJP, MLX traces every array and runs an
 ``mx.compile``d function as plain ops, so the ops per step are what counts there; a call outside
 any transform runs each forward segment as compiled calls of at most ``unroll`` steps.
@@ -27,7 +33,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..layout import canonical_shape, from_time_major, sum_to, to_time_major
+from ..layout import (canonical_shape, expand_groups, expanded, from_time_major, sum_groups,
+                      sum_to, to_time_major)
 from ..phases import Phases, split
 from ..render.mlx_ops import MLXStep, render_mlx
 
@@ -218,17 +225,44 @@ class SequentialForm:
             out[sym] = mx.broadcast_to(part, (1, *self.table.step_shape(sym, sizes)))
         return out
 
-    def _declared(self, carry: dict, symbols) -> list:
-        """Carries -> arrays in the declared state layout."""
+    def _shares(self, carry: dict, sizes) -> dict:
+        """Adjoint carries of shared states spread over the lanes as shares: the value on lane 0,
+        zeros on the others (the other carries unchanged)."""
         spec = self.rec.spec
-        by_slot = {self.table.key[self.table.state_of.get(s, s)][1]: carry[s][0] for s in symbols}
+        lane_axis, lanes = 1 + len(spec.batch_axes), sizes[spec.lane]
+        out = {}
+        for sym, v in carry.items():
+            tensor = self.table.key[self.table.state_of.get(sym, sym)][1][0]
+            if not spec.states[tensor].has_lane and lanes > 1:
+                pad = [(0, 0)] * v.ndim
+                pad[lane_axis] = (0, lanes - 1)
+                v = mx.pad(v, pad)
+            out[sym] = v
+        return out
+
+    def _declared(self, carry: dict, symbols) -> list:
+        """Carries -> arrays in the declared state layout (a shared state's adjoint shares
+        summed over the lanes)."""
+        spec = self.rec.spec
+        lane_axis = len(spec.batch_axes)
+        by_slot = {}
+        for s in symbols:
+            slot = self.table.key[self.table.state_of.get(s, s)][1]
+            v = carry[s][0]
+            if not spec.states[slot[0]].has_lane and v.shape[lane_axis] != 1:
+                v = mx.sum(v, axis=lane_axis, keepdims=True)
+            by_slot[slot] = v
         return [from_time_major(spec, t, [by_slot[(t.name, c)] for c in range(t.components)], False)
                 for t in spec.states.values()]
 
-    def _time_major(self, tensors, arrays) -> dict:
+    def _time_major(self, tensors, arrays, sizes) -> dict:
+        """Arrays by (tensor, component), time-major and fp32 (bool and integer inputs too),
+        with group axes expanded."""
+        spec = self.rec.spec
         out = {}
         for t, x in zip(tensors, arrays):
-            for c, part in enumerate(to_time_major(self.rec.spec, t, x.astype(mx.float32))):
+            x = expand_groups(spec, t, x.astype(mx.float32), sizes)
+            for c, part in enumerate(to_time_major(spec, expanded(spec, t), x)):
                 out[(t.name, c)] = part
         return out
 
@@ -262,7 +296,7 @@ class SequentialForm:
     def forward(self, inputs, states, sizes, seg, out_dtype):
         spec, table = self.rec.spec, self.table
         L = sizes[spec.time]
-        values = self._time_major(spec.inputs.values(), inputs)
+        values = self._time_major(spec.inputs.values(), inputs, sizes)
         keys = tuple(values)
         frozen_sizes = tuple(sorted(sizes.items()))
         carry = self._initial(states, table.states, sizes)
@@ -292,10 +326,10 @@ class SequentialForm:
         start of their segment."""
         spec, table = self.rec.spec, self.table
         L = sizes[spec.time]
-        values = self._time_major(spec.inputs.values(), inputs)
-        values.update(self._time_major(spec.outputs.values(), d_outputs))
+        values = self._time_major(spec.inputs.values(), inputs, sizes)
+        values.update(self._time_major(spec.outputs.values(), d_outputs, sizes))
         ones = self._ones(sizes)
-        lam = self._initial(d_finals, table.lambdas, sizes)
+        lam = self._shares(self._initial(d_finals, table.lambdas, sizes), sizes)
         checkpoints = dict(zip(table.states, residuals))
         step_grads, param_grads = {}, {}  # time blocks written into one buffer; sums
         for s in reversed(range(-(-L // seg))):
@@ -304,7 +338,9 @@ class SequentialForm:
             entered, _ = self._run_chain(self.forward_chain, carry, block, {}, {}, final=False)
             lam, grads = self._backward_segment(entered, lam, block, sizes)
             if d_residuals is not None:
-                lam = {l: lam[l] + d_residuals[i][s:s + 1] for i, l in enumerate(table.lambdas)}
+                seeds = self._shares({l: d_residuals[i][s:s + 1]
+                                      for i, l in enumerate(table.lambdas)}, sizes)
+                lam = {l: lam[l] + seeds[l] for l in table.lambdas}
             lam = _after(lam, list(grads.values()))
             for key, g in grads.items():
                 if spec.inputs[key[0]].has_time:
@@ -313,9 +349,12 @@ class SequentialForm:
                     param_grads[key] = g + param_grads[key] if key in param_grads else g
         grads = []
         for t, x in zip(spec.inputs.values(), inputs):
+            if not t.differentiable:
+                continue
             parts = [(step_grads if t.has_time else param_grads)[(t.name, c)]
                      for c in range(t.components)]
-            grads.append(from_time_major(spec, t, parts, reduce_missing=True).astype(x.dtype))
+            g = from_time_major(spec, expanded(spec, t), parts, reduce_missing=True)
+            grads.append(sum_groups(spec, t, g, sizes).astype(x.dtype))
         d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.lambdas), states)]
         return grads, d_init
 
@@ -332,7 +371,7 @@ class SequentialForm:
         grads = {}
         for (_, slot), g in zip(self.backward_chain.post.results, outs):
             t = spec.inputs[slot.tensor]
-            shape = canonical_shape(spec, t, sizes, with_time=False)
+            shape = canonical_shape(spec, expanded(spec, t), sizes, with_time=False)
             grads[(slot.tensor, slot.component)] = sum_to(g, (block.steps, *shape) if t.has_time
                                                           else shape)
         return lam, grads

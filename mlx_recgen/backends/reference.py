@@ -8,7 +8,9 @@ every state). So a bug in the lowering, the adjoint or a renderer shows up as a 
 between a backend and this loop.
 
 Values are laid out along ``(batch axes..., lane, state axis)`` with size 1 where a tensor
-lacks an axis, one array per component; the state and all arithmetic are fp32.
+lacks an axis (a shared state has size 1 along the lanes), one array per component; an input
+with a group axis is repeated over the members of each group; bool and integer inputs are
+converted to fp32; the state and all arithmetic are fp32.
 """
 
 from __future__ import annotations
@@ -128,15 +130,28 @@ def run_reference(rec, inputs, states, sizes, out_dtype):
     full = tuple(sizes[a] for a in order)
     scalar_shape = full[:-1] + (1,) if spec.state_axis else full
 
+    lane_at = len(spec.batch_axes)
     step_inputs = {}  # symbol -> (array, whether it has the time axis first)
     for t, x in zip(spec.inputs.values(), inputs):
-        parts = _to_steps(x.astype(mx.float32), t.axes, order, sizes, spec.time)
+        x, axes = x.astype(mx.float32), list(t.axes)
+        for i, a in enumerate(t.axes):  # a group axis: each group's slice for all its members
+            if a in spec.groups:
+                x = mx.repeat(x, sizes[spec.groups[a]] // sizes[a], axis=i)
+                axes[i] = spec.groups[a]
+        parts = _to_steps(x, axes, order, sizes, spec.time)
         for c, part in enumerate(parts):
             step_inputs[spec.symbols[Slot(t.name, c)]] = (part, t.has_time)
+
+    def state_shape(t):  # a shared state (without the lane axis) has one value per instance
+        shape = list(full if t.has_state_axis else scalar_shape)
+        if not t.has_lane:
+            shape[lane_at] = 1
+        return shape
+
     state = {}
     for t, x in zip(spec.states.values(), states):
         for c, part in enumerate(_to_steps(x.astype(mx.float32), t.axes, order, sizes)):
-            state[Slot(t.name, c)] = mx.broadcast_to(part, full if t.has_state_axis else scalar_shape)
+            state[Slot(t.name, c)] = mx.broadcast_to(part, state_shape(t))
 
     # one array per step from a split: its derivatives (a concatenation) have derivatives too,
     # where those of integer indexing (a scatter) have no forward mode
@@ -150,8 +165,7 @@ def run_reference(rec, inputs, states, sizes, out_dtype):
         ev = Evaluator(env, full)
         for slot, e in spec.output_exprs.items():
             outs[slot].append(mx.broadcast_to(_array(ev(e)), scalar_shape))
-        state = {slot: mx.broadcast_to(_array(ev(e)), full if spec.states[slot.tensor].has_state_axis
-                                       else scalar_shape)
+        state = {slot: mx.broadcast_to(_array(ev(e)), state_shape(spec.states[slot.tensor]))
                  for slot, e in spec.state_updates.items()}
 
     lane_order = [*spec.batch_axes, spec.lane]
@@ -162,7 +176,7 @@ def run_reference(rec, inputs, states, sizes, out_dtype):
         outputs.append(_to_declared(parts, [spec.time, *lane_order], t.axes).astype(out_dtype))
     finals = []
     for t in spec.states.values():
-        src = order if t.has_state_axis else lane_order
+        src = [a for a in (order if t.has_state_axis else lane_order) if a in t.axes]
         parts = [state[Slot(t.name, c)].reshape([sizes[a] for a in src])
                  for c in range(t.components)]
         finals.append(_to_declared(parts, src, t.axes))

@@ -96,7 +96,11 @@ class ChunkedRenderer(KernelRenderer):
 
     def carry(self, reverse: bool):
         """Phase 2 of either pass: the carry over segments. Forward: ``h <- P h + local``,
-        oldest segment first; backward (``reverse``): ``λ <- Pᵀ λ + local``, newest first."""
+        oldest segment first; backward (``reverse``): ``λ <- Pᵀ λ + local``, newest first.
+
+        A shared state (without the lane axis) is carried by every lane; forward, lane 0 stores
+        it (checkpoints, final state); backward, every lane carries its share of the adjoint
+        (lane 0 seeded with the final state's cotangent) and stores it per lane."""
         spec, nm = self.spec, self.names
         updates = []
         for b, block in enumerate(self.form.blocks):
@@ -111,16 +115,22 @@ class ChunkedRenderer(KernelRenderer):
                 terms = [f"p_{j}{i} * old_{j}" if reverse else f"p_{i}{j} * old_{j}"
                          for j in range(block.size)]
                 t, c = tensors[i], block.slots[i].component
-                local = f"{nm[('local', t.name)]}[{self.ckpt_offset(t, c)}]"
+                local = f"{nm[('local', t.name)]}[{self.ckpt_offset(t, c, shares=reverse)}]"
                 lines.append(f"{regs[i]} = {' + '.join(terms)} + {local};")
             guard = "vector_ok" if block.vector else "scalar_ok"
             updates += [f"    if ({guard}) {{", *("      " + x for x in lines), "    }"]
         ctx = self._common("carry")
-        for st in ctx["states"]:
+        tensors = [(t, c) for t in spec.states.values() for c in range(t.components)]
+        for st, (t, c) in zip(ctx["states"], tensors):
+            ok = "vector_ok" if t.has_state_axis else "scalar_ok"
+            lane0 = ok if t.has_lane else f"{ok} && lane == 0"
             if reverse:
-                st.update(first=st["d_final"], boundary=st["lamend"], last=st["d_init"])
+                st.update(first=st["d_final"], boundary=st["lamend"], last=st["d_init"],
+                          seeded=lane0, stored=ok, last_offset=self.d_init_offset(t, c),
+                          ckpt=self.ckpt_offset(t, c, shares=True))
             else:
-                st.update(first=st["init"], boundary=st["ckpt_buffer"], last=st["final"])
+                st.update(first=st["init"], boundary=st["ckpt_buffer"], last=st["final"],
+                          seeded=ok, stored=lane0, last_offset=st["offset"])
         ctx.update(updates=updates, reverse=reverse)
         return environment().get_template("chunked_carry.j2").render(**ctx)
 

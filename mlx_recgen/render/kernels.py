@@ -18,8 +18,8 @@ import jinja2
 
 from ..ir import Accumulate, Assign, Loop, Program, Store, free_symbols
 from ..resources import templates_dir
-from ..schedule import (COMPONENT, LANE_GROUPS, MAX_SHARED_BYTES, MAX_SHARED_FLOATS, SEGMENTS,
-                        MetaLayout, Schedule)
+from ..schedule import (COMPONENT, LANE_GROUPS, LANES, MAX_SHARED_BYTES, MAX_SHARED_FLOATS,
+                        SEGMENTS, MetaLayout, Schedule, members)
 from ..spec import Slot
 from .dialects import Dialect
 from .expr import CPrinter
@@ -193,6 +193,10 @@ class KernelRenderer:
                 coords.append(f"const {d.int64} {idx} = {rest} % {nm[('size', b)]};")
                 coords.append(f"const {d.int64} {nm[('rest', b)]} = {rest} / {nm[('size', b)]};")
                 rest = nm[("rest", b)]
+        for g, b in spec.groups.items():  # h -> its group h // (H / Hk) and member h % (H / Hk)
+            ratio = f"({nm[('size', b)]} / {nm[('size', g)]})"
+            coords.append(f"const {d.int64} {nm[('idx', g)]} = {nm[('idx', b)]} / {ratio};")
+            coords.append(f"const {d.int64} {nm[('member', g)]} = {nm[('idx', b)]} % {ratio};")
         bases = []
         for t in [*spec.inputs.values(), *spec.outputs.values(), *spec.states.values()]:
             terms = [f"{nm[('idx', b)]} * {nm.stride(t, b)}" for b in t.batch_axes]
@@ -205,11 +209,13 @@ class KernelRenderer:
             for c in range(t.components):
                 sym = spec.symbols[Slot(t.name, c)]
                 ck = self.ckpt_offset(t, c)
+                # a shared state is stored once per instance, by lane 0 (every lane holds it)
                 states.append(dict(reg=nm[("state", sym)], vector=t.has_state_axis,
                                    init=nm[("init", t.name)], final=nm[("final", t.name)],
                                    ckpt_buffer=nm[("ckpt", t.name)],
                                    offset=nm[("base", t.name)] + nm.terms(t, c, n=t.has_state_axis),
-                                   ckpt=ck, row=" + ".join(rows) or "0"))
+                                   ckpt=ck, row=" + ".join(rows) or "0",
+                                   writer="lane_ok" if t.has_lane else "lane == 0"))
                 rows.append("NS" if t.has_state_axis else "1")
 
         def shape_text(t):
@@ -228,14 +234,24 @@ class KernelRenderer:
                     description=description, i64=d.int64, segment_in_grid=False, outer=None)
 
     @staticmethod
-    def ckpt_offset(t, component, segment="s") -> str:
+    def ckpt_offset(t, component, segment="s", shares=False) -> str:
         """Element offset in a buffer of one state per segment (checkpoints), laid out
         ``[segment, instance, component, NS or 1, lane]``: NS rows for a vector state, one for a
-        scalar state; lanes fastest, so a simdgroup's reads and writes are contiguous."""
+        scalar state; lanes fastest, so a simdgroup's reads and writes are contiguous. A shared
+        state's values have one lane (``lane`` 0); its adjoint (``shares``) one share per lane."""
+        lane, lanes = ("lane", "lanes") if t.has_lane or shares else ("0", "1")
         if t.has_state_axis:
             return (f"((({segment} * instances + instance) * {t.components} + {component}) * NS "
-                    f"+ n) * lanes + lane")
-        return f"(({segment} * instances + instance) * {t.components} + {component}) * lanes + lane"
+                    f"+ n) * {lanes} + {lane}")
+        return (f"(({segment} * instances + instance) * {t.components} + {component}) * {lanes} "
+                f"+ {lane}")
+
+    def d_init_offset(self, t, component) -> str:
+        """Offset of element ``n`` of the initial-state gradient: one share per lane in front of
+        the declared layout for a shared state."""
+        nm = self.names
+        offset = nm[("base", t.name)] + nm.terms(t, component, n=t.has_state_axis)
+        return offset if t.has_lane else f"{offset} + lane * {nm[('d_stride', t.name, LANES)]}"
 
     def header(self, kind, dtypes_text):
         ctx = self._common(kind)
@@ -300,7 +316,7 @@ class KernelRenderer:
             if store.kind == "lambda":
                 lam = nm[("sym", self.rec.adjoint.state_cotangents[store.slot])]
                 return [], [f"{pad}{lam}{'[n]' if in_loop else ''} = {value};"]
-            t = spec.inputs[store.slot.tensor]
+            t = spec.inputs[store.slot.tensor]  # differentiable: the adjoint has no others
             c = store.slot.component
             n_idx = "n" if in_loop else "0"
             if t.has_lane and t.has_time:
@@ -338,7 +354,8 @@ class KernelRenderer:
                 lines.append(f"{pad}    {'else ' if i else ''}{cond}{{ {target} = total; }}")
             return lines + [f"{pad}  }}", f"{pad}  {d.barrier};", f"{pad}}}"]
 
-        for t in ([] if lambda_only else spec.inputs.values()):
+        differentiable = [] if lambda_only else [t for t in spec.inputs.values() if t.differentiable]
+        for t in differentiable:
             for c in range(t.components):
                 size = "NS" if t.has_state_axis else "1"
                 if not t.has_time:
@@ -361,22 +378,28 @@ class KernelRenderer:
         adj = self.rec.adjoint
         lam = []
         for slot, sym in adj.state_cotangents.items():
+            # a shared state's λ is this lane's share: lane 0 is seeded with the cotangent
             t = spec.states[slot.tensor]
-            offset = nm[("base", t.name)] + nm.terms(t, slot.component, n=t.has_state_axis)
+            c = slot.component
+            offset = nm[("base", t.name)] + nm.terms(t, c, n=t.has_state_axis)
+            seeded = "lane_ok" if t.has_lane else "lane == 0"
             if lambda_only:
                 init = "0.0f"
             elif segment_in_grid:
-                lamend = f"{nm[('lamend', t.name)]}[{self.ckpt_offset(t, slot.component, 'segment')}]"
+                lamend = f"{nm[('lamend', t.name)]}[{self.ckpt_offset(t, c, 'segment', shares=True)}]"
                 init = f"lane_ok ? {lamend} : 0.0f"
             else:
-                init = f"lane_ok ? static_cast<float>({nm[('d_final', t.name)]}[{offset}]) : 0.0f"
+                init = f"{seeded} ? static_cast<float>({nm[('d_final', t.name)]}[{offset}]) : 0.0f"
             lam.append(dict(sym=nm[("sym", sym)], vector=t.has_state_axis, init=init,
-                            dst=f"{nm[('d_init', t.name)]}[{offset}]",
-                            local=f"{nm[('local', t.name)]}[{self.ckpt_offset(t, slot.component)}]"))
+                            dst=f"{nm[('d_init', t.name)]}[{self.d_init_offset(t, c)}]",
+                            local=f"{nm[('local', t.name)]}"
+                                  f"[{self.ckpt_offset(t, c, shares=True)}]"))
         grad_bases = []
-        for t in ([] if lambda_only else spec.inputs.values()):
+        for t in differentiable:
             extra = [f" + {nm[('idx', b)]} * {nm[('d_stride', t.name, b)]}"
                      for b in self.meta.grad_axes[t.name]]
+            extra += [f" + {nm[('member', g)]} * {nm[('d_stride', t.name, members(g))]}"
+                      for g in self.meta.grad_members[t.name]]
             if self.schedule.lane_partials and not t.has_lane:
                 extra.append(f" + lane_group * {nm[('d_stride', t.name, LANE_GROUPS)]}")
             if segment_in_grid and not t.has_time:  # one partial sum per segment

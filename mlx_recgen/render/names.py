@@ -21,7 +21,7 @@ numeric suffix, in an order fixed by the spec, so every kernel of a spec agrees.
 from __future__ import annotations
 
 from ..ir import Accumulate, Assign, Loop
-from ..schedule import COMPONENT, LANE_GROUPS, SEGMENTS
+from ..schedule import COMPONENT, LANE_GROUPS, LANES, SEGMENTS
 
 PREFIX = "u_"
 
@@ -73,8 +73,11 @@ class Identifiers:
 
 
 def _axis_text(a) -> str:
-    return ({COMPONENT: "comp", LANE_GROUPS: "lane_group", SEGMENTS: "segment"}.get(a, a)
-            if not isinstance(a, str) else a)
+    if isinstance(a, str):
+        return a
+    if isinstance(a, tuple):  # schedule.members(group axis)
+        return f"{a[1]}_members"
+    return {COMPONENT: "comp", LANE_GROUPS: "lane_group", SEGMENTS: "segment", LANES: "lane"}[a]
 
 
 def program_symbols(program) -> set:
@@ -96,7 +99,7 @@ def kernel_identifiers(rec, meta) -> Identifiers:
     Keys: ``(role, tensor)`` for buffers and bases (roles ``buffer``, ``init``, ``final``,
     ``ckpt``, ``local``, ``lamend``, ``d``, ``d_init``, ``d_final``, ``base``, ``d_base``); the ``meta`` layout's keys
     (``("size", axis)``, ``("stride", tensor, axis)``, ``("d_stride", tensor, axis)``);
-    ``("idx", axis)``, ``("rest", axis)``; ``(role, symbol)`` for symbols: ``sym`` (its value),
+    ``("idx", axis)``, ``("rest", axis)``, ``("member", group axis)``; ``(role, symbol)`` for symbols: ``sym`` (its value),
     ``value`` (an input or cotangent loaded this step), ``state`` (the state register),
     ``acc`` (a parameter gradient's accumulator)."""
     spec = rec.spec
@@ -126,6 +129,9 @@ def kernel_identifiers(rec, meta) -> Identifiers:
     for b in spec.batch_axes:
         ids.add(("idx", b), f"idx_{b}")
         ids.add(("rest", b), f"rest_{b}")
+    for g in spec.groups:  # a group axis: the group's index and the member's within it
+        ids.add(("idx", g), f"idx_{g}")
+        ids.add(("member", g), f"member_{g}")
     for t in spec.tensors.values():
         ids.add(("base", t.name), f"{t.name}_base")
     for t in spec.inputs.values():
