@@ -157,7 +157,7 @@ def main(cases_path, out_dir):
                 if case["error"] == "sizes":  # one fewer instance along B
                     mine = [x[:1] if "B" in t.axes else x for x, t in zip(mine, spec.inputs.values())]
                 else:  # "dtype"
-                    mine[0] = mine[0].astype(mx.int32)
+                    mine[0] = mine[0].astype(mx.complex64)
             try:
                 rec(*mine, group=group, backend=case["backend"])
                 message = "no error"

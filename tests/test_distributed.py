@@ -136,7 +136,7 @@ def check_errors(case, out_dir, n):
         for m in messages:
             assert m.startswith("ValueError") and "disagree" in m and "B=1" in m, messages
     else:
-        assert messages[-1].startswith("TypeError") and "int32" in messages[-1], messages
+        assert messages[-1].startswith("TypeError") and "complex64" in messages[-1], messages
         for m in messages[:-1]:
             assert m.startswith("RuntimeError") and f"[{n - 1}]" in m, messages
 
