@@ -1,0 +1,136 @@
+"""The chunked form of the pure-MLX backend (``backend="mlx", schedule="chunked"``) against
+``rec.reference``: outputs, final states and every gradient (initial states' included), for the
+bundled state-affine specs and custom ones (a 2x2 block over two states, a scalar state beside a
+vector one, a parameter without the time axis, a nonlinear output); segment edge cases; the
+schedule's choice; and the transforms (``mx.compile``, ``mx.vmap``, ``mx.grad``)."""
+
+import mlx.core as mx
+import pytest
+
+import mlx_recgen as rg
+from mlx_recgen import Sum, sigmoid, tanh, where
+from mlx_recgen.schedule import choose
+from conftest import rel_err
+from references import INPUTS
+
+TOL = 2e-5
+
+
+@rg.recurrence(lane="D", state={"a": "B D", "b": "B D"},
+               inputs={"r": "B L D", "s": "B L D", "x": "B L D"},
+               outputs={"y": "B L D"})
+def rotation(a, b, r, s, x):
+    a_new = r * a - s * b + x  # a 2x2 block mixing two states
+    b = s * a + r * b
+    a = a_new
+    return {"y": a * b}
+
+
+@rg.recurrence(lane="P", state={"S": "B P N", "m": "B P"},
+               inputs={"k": "B L N", "v": "B L P", "g": "B L P"},
+               outputs={"y": "B L P", "z": "B L P"})
+def two_states(S, m, k, v, g, n):
+    S[n] = g * S[n] + k[n] * v  # two blocks: a vector state and a scalar one
+    m = g * m + v
+    return {"y": Sum(k[n] * S[n], n), "z": m * Sum(S[n], n)}
+
+
+@rg.recurrence(lane="P", state={"h": "B H P"},
+               inputs={"x": "B L H P", "decay": "H", "gain": "H P"}, outputs={"y": "B L H P"})
+def shared_param(h, x, decay, gain):
+    h = sigmoid(decay) * h + gain * x  # parameters shared across lanes, batch and time
+    return {"y": tanh(h) * where(x > 0, x, 0.1 * x)}  # a nonlinear output
+
+
+@rg.recurrence(lane="D", state={"h": "B D"}, inputs={"w": "B L D", "x": "B L D"},
+               outputs={"y": "B L D"})
+def tanh_rnn(h, w, x):
+    h = tanh(w * h + x)
+    return {"y": h}
+
+
+def _custom(name, b=2, L=11):
+    u = lambda shape, lo, hi: mx.random.uniform(lo, hi, shape)  # noqa: E731
+    n = lambda shape, s=1.0: s * mx.random.normal(shape)  # noqa: E731
+    if name == "rotation":
+        D = 5
+        return rotation, [u((b, L, D), 0.3, 0.7), u((b, L, D), -0.5, 0.5), n((b, L, D))], \
+            {"a": n((b, D), 0.5), "b": n((b, D), 0.5)}
+    if name == "two_states":
+        P, N = 3, 4
+        return two_states, [n((b, L, N), 0.5), n((b, L, P)), u((b, L, P), 0.5, 0.95)], \
+            {"S": n((b, P, N), 0.5), "m": n((b, P))}
+    if name == "shared_param":
+        H, P = 2, 3
+        return shared_param, [n((b, L, H, P)), n((H,)), n((H, P))], {"h": n((b, H, P), 0.5)}
+    raise KeyError(name)
+
+
+def _case(name, L, b=2):
+    if name in INPUTS:
+        rec = rg.load_spec(name)
+        inputs, h0 = INPUTS[name](b=b, L=L)
+        return rec, list(inputs), {next(iter(rec.spec.states)): h0}
+    return _custom(name, b, L)
+
+
+def _flat(y, h):
+    ys = list(y) if isinstance(y, tuple) else [y]
+    hs = list(h.values()) if isinstance(h, dict) else [h]
+    return ys + hs
+
+
+def _check(rec, inputs, states, **kw):
+    names = list(states)
+    n_in = len(inputs)
+
+    def run(fn):
+        def go(*args):
+            init = dict(zip(names, args[n_in:]))
+            init = init[names[0]] if len(names) == 1 else init
+            return _flat(*fn(*args[:n_in], initial_state=init, return_state=True))
+        return go
+
+    ours = run(lambda *a, **k: rec(*a, backend="mlx", schedule="chunked", **kw, **k))
+    ref = run(rec.reference)
+    args = [*inputs, *states.values()]
+    got, want = ours(*args), ref(*args)
+    for i, (a, r) in enumerate(zip(got, want)):
+        assert rel_err(a, r) < TOL, f"result {i}"
+    weights = [mx.random.normal(r.shape) for r in want]
+
+    def loss(fn):
+        return lambda *a: sum(mx.sum(w * y) for w, y in zip(weights, fn(*a)))
+
+    argnums = tuple(range(len(args)))
+    g = mx.grad(loss(ours), argnums=argnums)(*args)
+    g_ref = mx.grad(loss(ref), argnums=argnums)(*args)
+    labels = list(rec.spec.inputs) + [f"initial {s}" for s in names]
+    for label, a, r in zip(labels, g, g_ref):
+        assert rel_err(a, r) < TOL, f"gradient of {label}"
+
+
+NAMES = ["ssd", "gla", "rglru", "rotlru", "rotation", "two_states", "shared_param"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("L,seg", [(23, 4), (19, 1), (1, 8), (37, 37), (64, 2)])
+def test_chunked_matches_the_reference(name, L, seg):
+    rec, inputs, states = _case(name, L)
+    _check(rec, inputs, states, seg=seg)
+
+
+def test_non_affine_specs_refuse_chunked_with_the_reason():
+    x = mx.random.normal((2, 8, 3))
+    with pytest.raises(ValueError, match="state-affine.*not affine"):
+        tanh_rnn(x, x, backend="mlx", schedule="chunked")
+
+
+def test_auto_picks_chunked_on_mlx_where_expected():
+    ssd = rg.load_spec("ssd")
+    sizes = dict(B=1, L=1024, H=4, P=32, N=16)
+    kind, seg = choose(ssd, sizes, "auto", None, "mlx")
+    assert kind == "chunked" and 2 * seg <= 1024
+    assert choose(ssd, dict(sizes, L=seg), "auto", None, "mlx")[0] == "sequential"
+    assert choose(tanh_rnn, dict(B=2, L=1024, D=3), "auto", None, "mlx")[0] == "sequential"
+    assert choose(ssd, sizes, "chunked", 16, "mlx") == ("chunked", 16)
