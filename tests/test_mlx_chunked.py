@@ -134,3 +134,85 @@ def test_auto_picks_chunked_on_mlx_where_expected():
     assert choose(ssd, dict(sizes, L=seg), "auto", None, "mlx")[0] == "sequential"
     assert choose(tanh_rnn, dict(B=2, L=1024, D=3), "auto", None, "mlx")[0] == "sequential"
     assert choose(ssd, sizes, "chunked", 16, "mlx") == ("chunked", 16)
+
+
+# -- transforms ----------------------------------------------------------------------------------
+
+
+def _rglru(L, b=2, D=4):
+    return mx.random.uniform(-0.9, 0.9, (b, L, D)), mx.random.normal((b, L, D))
+
+
+def test_compile_retraces_for_a_new_length():
+    rec = rg.load_spec("rglru")
+    call = lambda a, x: rec(a, x, backend="mlx", schedule="chunked", seg=4)  # noqa: E731
+    forward = mx.compile(call)
+    step = mx.compile(mx.grad(lambda a, x, w: mx.sum(call(a, x) * w), argnums=(0, 1)))
+    for L in (9, 14, 9):
+        a, x = _rglru(L)
+        w = mx.random.normal((2, L, 4))
+        assert rel_err(forward(a, x), rec.reference(a, x)) < 1e-5
+        want = mx.grad(lambda a, x: mx.sum(rec.reference(a, x) * w), argnums=(0, 1))(a, x)
+        for g, r in zip(step(a, x, w), want):
+            assert rel_err(g, r) < 1e-5
+
+
+def test_shapeless_compile_is_never_silently_wrong():
+    rec = rg.load_spec("rglru")
+    forward = mx.compile(lambda a, x: rec(a, x, backend="mlx", schedule="chunked", seg=4),
+                         shapeless=True)
+    for L in (9, 14):
+        a, x = _rglru(L)
+        try:
+            y = forward(a, x)
+        except ValueError:
+            continue
+        assert y.shape == (2, L, 4) and rel_err(y, rec.reference(a, x)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["rotation", "gla"])
+def test_vmap_and_its_compositions_with_grad(name):
+    n, L = 3, 10
+    cases = [_case(name, L, b=1) for _ in range(n)]
+    rec = cases[0][0]
+    xs = [mx.stack([c[1][i][0] for c in cases]) for i in range(len(cases[0][1]))]
+    call = lambda *a: _flat(*rec(*a, backend="mlx", schedule="chunked", seg=4,  # noqa: E731
+                                 return_state=True))
+    ref = lambda *a: _flat(*rec.reference(*a, return_state=True))  # noqa: E731
+
+    def unbatched(f):  # the first output and the first final state of one example
+        return lambda *a: (lambda r: r[0][0] + mx.sum(r[-1][0]))(f(*(x[None] for x in a)))
+
+    y = mx.vmap(unbatched(call))(*xs)
+    assert rel_err(y, mx.vmap(unbatched(ref))(*xs)) < 1e-5
+    w = mx.random.normal(y.shape)
+    argnums = tuple(range(len(xs)))
+    got = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(call))(*a) * w), argnums)(*xs)
+    want = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(ref))(*a) * w), argnums)(*xs)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < 1e-4
+
+    def per_example_grad(f):
+        return mx.vmap(lambda wi, *a: mx.grad(lambda *b: mx.sum(unbatched(f)(*b) * wi),
+                                              argnums)(*a))
+
+    for g, r in zip(per_example_grad(call)(w, *xs), per_example_grad(ref)(w, *xs)):
+        assert rel_err(g, r) < 1e-4
+
+
+def test_second_order():
+    """The gradient of a gradient: the backward's VJP is itself differentiable."""
+    rec = rg.load_spec("rglru")
+    a, x = _rglru(13)
+    w = mx.random.normal((2, 13, 4))
+
+    def outer(f):
+        def inner(a, x):
+            return mx.sum(f(a, x) * w)
+        return lambda a, x: mx.sum(mx.grad(inner, argnums=0)(a, x) ** 2)
+
+    ours = lambda a, x: rec(a, x, backend="mlx", schedule="chunked", seg=4)  # noqa: E731
+    got = mx.grad(outer(ours), argnums=(0, 1))(a, x)
+    want = mx.grad(outer(rec.reference), argnums=(0, 1))(a, x)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < 1e-4
