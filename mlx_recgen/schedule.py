@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import mlx.core as mx
+
 from .spec import Spec
 
 MAX_THREADS = 1024
@@ -139,9 +141,10 @@ def lane_reduced_rows(spec: Spec, state_size: int) -> tuple:
 def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     """The schedule and segment length of one call: ``(kind, seg)``.
 
-    ``auto`` runs ``chunked`` when the recurrence is state-affine, the backend has the chunked
-    form, the sequence holds at least two chunks and one sequential step would not already fill
-    the GPU (``CHUNKED_MAX_SEQUENTIAL_WORK``); else ``sequential``. ``chunked`` on a recurrence
+    ``auto`` runs ``chunked`` when the recurrence is state-affine, the sequence holds at least
+    two chunks and, on a kernel backend, one sequential step would not already fill the GPU
+    (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the ``mlx`` backend the device is a GPU
+    (``mlx_time_parallel_pays``); else ``sequential``. ``chunked`` on a recurrence
     that is not state-affine raises ``ValueError`` saying why. ``seg`` (the checkpoint
     interval, which is also the chunk length) is chosen when not given."""
     spec = rec.spec
@@ -159,7 +162,9 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         chunk = seg or (chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))
         busy = (kernels and _lane_width(spec, sizes) * _state_floats(spec, sizes)
                 >= CHUNKED_MAX_SEQUENTIAL_WORK)
-        kind = "chunked" if form.time_parallel and L >= 2 * chunk and not busy else "sequential"
+        parallel = kernels or mlx_time_parallel_pays()
+        kind = ("chunked" if form.time_parallel and parallel and L >= 2 * chunk and not busy
+                else "sequential")
     if seg is None:
         seg = (SEQUENTIAL_SEG if kind != "chunked" else chunk_length(spec, sizes) if kernels
                else mlx_chunk_length(spec, sizes))
@@ -194,6 +199,15 @@ def chunk_length(spec: Spec, sizes: dict) -> int:
     while seg > 1 and seg * _state_floats(spec, sizes) > CHUNKED_HISTORY_FLOATS:
         seg //= 2
     return seg
+
+
+def mlx_time_parallel_pays() -> bool:
+    """Whether ``auto`` runs the pure-MLX backend's chunked form: on a GPU, where a step's few
+    small ops cost a launch each. Not on the CPU: there the scan's ``log2(seg)`` passes over a
+    segment cost more than the per-step loop of the sequential form, whose ops per step are
+    already few (2-core x86, mlx 0.32.4: chunked forward+backward 0.95x the sequential form's
+    speed for rglru, 0.8x for ssd, 0.5x for gla; ``benchmarks/bench_mlx_backend.py``)."""
+    return mx.default_device().type == mx.gpu
 
 
 def mlx_chunk_length(spec: Spec, sizes: dict) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, sigmoid, tanh, where
+from mlx_recgen import schedule
 from mlx_recgen.schedule import choose
 from conftest import rel_err
 from references import INPUTS
@@ -126,8 +127,12 @@ def test_non_affine_specs_refuse_chunked_with_the_reason():
         tanh_rnn(x, x, backend="mlx", schedule="chunked")
 
 
-def test_auto_picks_chunked_on_mlx_where_expected():
+def test_auto_picks_chunked_on_mlx_where_expected(monkeypatch):
     ssd = rg.load_spec("ssd")
+    sizes = dict(B=1, L=1024, H=4, P=32, N=16)
+    on_gpu = mx.default_device().type == mx.gpu
+    assert (choose(ssd, sizes, "auto", None, "mlx")[0] == "chunked") == on_gpu
+    monkeypatch.setattr(schedule, "mlx_time_parallel_pays", lambda: True)
     sizes = dict(B=1, L=1024, H=4, P=32, N=16)
     kind, seg = choose(ssd, sizes, "auto", None, "mlx")
     assert kind == "chunked" and 2 * seg <= 1024
