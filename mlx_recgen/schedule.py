@@ -205,8 +205,8 @@ def mlx_time_parallel_pays() -> bool:
     """Whether ``auto`` runs the pure-MLX backend's chunked form: on a GPU, where a step's few
     small ops cost a launch each. Not on the CPU: there the scan's ``log2(seg)`` passes over a
     segment cost more than the per-step loop of the sequential form, whose ops per step are
-    already few (2-core x86, mlx 0.32.4: chunked forward+backward 0.95x the sequential form's
-    speed for rglru, 0.8x for ssd, 0.5x for gla; ``benchmarks/bench_mlx_backend.py``)."""
+    already few (2-core x86, mlx 0.32.4, L=1024: chunked forward+backward 1.19x the sequential
+    form's speed for rglru, 0.86x for ssd, 0.48x for gla; ``benchmarks/bench_mlx_backend.py``)."""
     return mx.default_device().type == mx.gpu
 
 
