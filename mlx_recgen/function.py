@@ -374,6 +374,8 @@ class Recurrence:
                     else t for p, t in zip(primals, tangents)]
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
         rec = self.tangent
+        if backend.name == "mlx" and not rec.time_parallel:
+            options = dict(options, schedule="sequential")
         fn = rec._function(rec._backend(backend.name), seg, sizes, out_dtype, options)
         # bool and integer inputs have no tangent in the tangent recurrence
         d_in = [d for t, d in zip(self.spec.inputs.values(), tangents) if t.differentiable]
