@@ -71,10 +71,18 @@ def inputs_for(rec, sizes):
     return out
 
 
-def make_fns(rec, xs):
-    """(forward, forward+backward) for the mlx backend and the loop."""
+CHUNKED_SEG = 64
+
+
+def make_fns(rec, xs, chunked=True):
+    """(forward, forward+backward) for the mlx backend (sequential form, and the chunked form
+    for state-affine specs) and the loop."""
     n = len(xs)
-    variants = {"mlx": lambda *a: rec(*a, backend="mlx"), "loop": rec.reference}
+    variants = {"mlx": lambda *a: rec(*a, backend="mlx", schedule="sequential")}
+    if chunked and rec.time_parallel:
+        variants["chunked"] = lambda *a: rec(*a, backend="mlx", schedule="chunked",
+                                             seg=CHUNKED_SEG)
+    variants["loop"] = rec.reference
     first = rec.reference(*xs)
     weights = [mx.random.normal(v.shape) for v in (first if isinstance(first, tuple) else (first,))]
     fns = {}
@@ -171,6 +179,11 @@ def main():
         t = compare(make_fns(rec, xs), args.reps)
         row = (name, sizes, t)
         rows.append(row)
+        if ("chunked", "fwd") in t:
+            print(f"{name:12s} chunked: fwd {t['chunked', 'fwd'] * 1e3:8.1f} ms "
+                  f"fwd+bwd {t['chunked', 'fwdbwd'] * 1e3:8.1f} ms ({t['loop', 'fwdbwd'] / t['chunked', 'fwdbwd']:.2f}x "
+                  f"the loop, {t['mlx', 'fwdbwd'] / t['chunked', 'fwdbwd']:.2f}x the sequential form)",
+                  flush=True)
         print(f"{name:12s} fwd mlx {t['mlx', 'fwd'] * 1e3:8.1f} ms loop {t['loop', 'fwd'] * 1e3:8.1f} ms "
               f"({t['loop', 'fwd'] / t['mlx', 'fwd']:.2f}x)   fwd+bwd mlx {t['mlx', 'fwdbwd'] * 1e3:8.1f} ms "
               f"loop {t['loop', 'fwdbwd'] * 1e3:8.1f} ms ({t['loop', 'fwdbwd'] / t['mlx', 'fwdbwd']:.2f}x)",
@@ -194,6 +207,19 @@ def main():
         lines.append(f"| {name} | {shape} | {t['mlx', 'fwd'] * 1e3:.1f} ms | {t['loop', 'fwd'] * 1e3:.1f} ms "
                      f"| {t['loop', 'fwd'] / t['mlx', 'fwd']:.2f}x | {t['mlx', 'fwdbwd'] * 1e3:.1f} ms "
                      f"| {t['loop', 'fwdbwd'] * 1e3:.1f} ms | {t['loop', 'fwdbwd'] / t['mlx', 'fwdbwd']:.2f}x |")
+    chunked_rows = [(n, sz, t) for n, sz, t in rows if ("chunked", "fwd") in t]
+    if chunked_rows:
+        lines += ["", f"The chunked form (`schedule=\"chunked\"`, seg={CHUNKED_SEG}) of the "
+                  "state-affine specs, same runs; ratios = loop / chunked and sequential form / "
+                  "chunked (higher is better).", "",
+                  "| spec | shape | fwd chunked | fwd vs loop | fwd vs sequential | fwd+bwd chunked "
+                  "| fwd+bwd vs loop | fwd+bwd vs sequential |", "|---|---|---|---|---|---|---|---|"]
+        for name, sizes, t in chunked_rows:
+            shape = " ".join(f"{a}={v}" for a, v in sizes.items())
+            c, cb = t["chunked", "fwd"], t["chunked", "fwdbwd"]
+            lines.append(f"| {name} | {shape} | {c * 1e3:.1f} ms | {t['loop', 'fwd'] / c:.2f}x "
+                         f"| {t['mlx', 'fwd'] / c:.2f}x | {cb * 1e3:.1f} ms "
+                         f"| {t['loop', 'fwdbwd'] / cb:.2f}x | {t['mlx', 'fwdbwd'] / cb:.2f}x |")
     if builds:
         lines += ["", f"Build time of `rg.load_spec` in a fresh process, median of "
                   f"{args.build_reps}: with an empty program cache, and with the cache the first "

@@ -323,7 +323,8 @@ class Recurrence:
         if not kernel:
             def plain(*arrays):  # the body without the stop-gradient, open to MLX's transforms
                 inputs, states = list(arrays[:n_in]), list(arrays[n_in:])
-                outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype)
+                outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype,
+                                                          **options)
                 return (*outs, *finals, *residuals)
 
             @fn.vmap
@@ -373,13 +374,15 @@ class Recurrence:
                     else t for p, t in zip(primals, tangents)]
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
         rec = self.tangent
+        if backend.name == "mlx" and not rec.time_parallel:
+            options = dict(options, schedule="sequential")
         fn = rec._function(rec._backend(backend.name), seg, sizes, out_dtype, options)
         # bool and integer inputs have no tangent in the tangent recurrence
         d_in = [d for t, d in zip(self.spec.inputs.values(), tangents) if t.differentiable]
         results = fn(*primals[:n_in], *d_in, *primals[n_in:], *tangents[n_in:])
         d_out = results[n_out:2 * n_out]
         d_fin = results[2 * n_out + n_state:2 * n_out + 2 * n_state]
-        if options.get("schedule", "sequential") == "chunked":
+        if backend.name != "mlx" and options.get("schedule", "sequential") == "chunked":
             # The chunked residuals (checkpoints, segment products) are read only by the kernel
             # backward, whose own derivatives raise: their tangents are never observed.
             d_res = [mx.zeros(shape) for shape in backend.residual_shapes(
@@ -418,8 +421,7 @@ class Recurrence:
         if options and impl.name == "mlx":
             raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
         kind, seg = choose_schedule(rec, sizes, schedule, seg, impl.name)
-        if impl.name != "mlx":
-            options["schedule"] = kind
+        options["schedule"] = kind
         return rec, impl, seg, sizes, out_dtype, options, inputs, states
 
     def _package(self, outs, finals, return_state):

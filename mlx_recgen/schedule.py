@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import mlx.core as mx
+
 from .spec import Spec
 
 MAX_THREADS = 1024
@@ -63,6 +65,10 @@ CHUNKED_MIN_SEG = 8
 # on an H100, GLA and SSD with 128 instances x 64 lanes x 64 state floats ran as fast or faster
 # sequentially, with half the memory; with 2,304 lanes x 16-64 floats chunked ran 1.3-2x faster.
 CHUNKED_MAX_SEQUENTIAL_WORK = 1 << 19
+# The pure-MLX chunked form: every scan round is a few MLX ops over a whole segment, so long
+# segments mean few ops; the segment's arrays (states, multipliers) bound it.
+MLX_MAX_CHUNK = 64
+MLX_CHUNK_FLOATS = 1 << 22
 
 
 def axis_strides(t, sizes) -> dict:
@@ -135,9 +141,10 @@ def lane_reduced_rows(spec: Spec, state_size: int) -> tuple:
 def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     """The schedule and segment length of one call: ``(kind, seg)``.
 
-    ``auto`` runs ``chunked`` when the recurrence is state-affine, the backend has the chunked
-    form, the sequence holds at least two chunks and one sequential step would not already fill
-    the GPU (``CHUNKED_MAX_SEQUENTIAL_WORK``); else ``sequential``. ``chunked`` on a recurrence
+    ``auto`` runs ``chunked`` when the recurrence is state-affine, the sequence holds at least
+    two chunks and, on a kernel backend, one sequential step would not already fill the GPU
+    (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the ``mlx`` backend the device is a GPU
+    (``mlx_time_parallel_pays``); else ``sequential``. ``chunked`` on a recurrence
     that is not state-affine raises ``ValueError`` saying why. ``seg`` (the checkpoint
     interval, which is also the chunk length) is chosen when not given."""
     spec = rec.spec
@@ -150,18 +157,17 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         if not form.time_parallel:
             raise ValueError(f"{spec.name}(): schedule='chunked' needs a state-affine recurrence, "
                              f"and {form.reason}; use schedule='sequential'")
-        if not kernels:
-            raise ValueError(f"{spec.name}(): schedule='chunked' runs on the kernel backends "
-                             "('metal', 'cuda', 'metal-sim'); the 'mlx' backend runs "
-                             "schedule='sequential'")
     kind = requested
     if requested == "auto":
-        chunk = seg or chunk_length(spec, sizes)
-        busy = _lane_width(spec, sizes) * _state_floats(spec, sizes) >= CHUNKED_MAX_SEQUENTIAL_WORK
-        kind = ("chunked" if form.time_parallel and kernels and L >= 2 * chunk and not busy
+        chunk = seg or (chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))
+        busy = (kernels and _lane_width(spec, sizes) * _state_floats(spec, sizes)
+                >= CHUNKED_MAX_SEQUENTIAL_WORK)
+        parallel = kernels or mlx_time_parallel_pays()
+        kind = ("chunked" if form.time_parallel and parallel and L >= 2 * chunk and not busy
                 else "sequential")
     if seg is None:
-        seg = chunk_length(spec, sizes) if kind == "chunked" else SEQUENTIAL_SEG
+        seg = (SEQUENTIAL_SEG if kind != "chunked" else chunk_length(spec, sizes) if kernels
+               else mlx_chunk_length(spec, sizes))
     return kind, min(seg, L)
 
 
@@ -191,6 +197,28 @@ def chunk_length(spec: Spec, sizes: dict) -> int:
         seg *= 2
     seg = max(seg, CHUNKED_MIN_SEG)
     while seg > 1 and seg * _state_floats(spec, sizes) > CHUNKED_HISTORY_FLOATS:
+        seg //= 2
+    return seg
+
+
+def mlx_time_parallel_pays() -> bool:
+    """Whether ``auto`` runs the pure-MLX backend's chunked form: on a GPU, where a step's few
+    small ops cost a launch each. Not on the CPU: there the scan's ``log2(seg)`` passes over a
+    segment cost more than the per-step loop of the sequential form, whose ops per step are
+    already few (2-core x86, mlx 0.32.4, L=1024: chunked forward+backward 1.19x the sequential
+    form's speed for rglru, 0.86x for ssd, 0.48x for gla; ``benchmarks/bench_mlx_backend.py``)."""
+    return mx.default_device().type == mx.gpu
+
+
+def mlx_chunk_length(spec: Spec, sizes: dict) -> int:
+    """The chunk length of the pure-MLX chunked form: a power of two, as long as the segment's
+    working arrays allow (``MLX_CHUNK_FLOATS`` of state over all instances and lanes), at most
+    ``MLX_MAX_CHUNK`` steps."""
+    floats = _state_floats(spec, sizes) * sizes[spec.lane]
+    for b in spec.batch_axes:
+        floats *= sizes[b]
+    seg = MLX_MAX_CHUNK
+    while seg > 1 and seg * floats > MLX_CHUNK_FLOATS:
         seg //= 2
     return seg
 

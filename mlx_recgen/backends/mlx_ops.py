@@ -7,7 +7,7 @@ checkpoint with the forward's own functions (so they are bit-identical), then sw
 adjoint over the segment.
 
 How the time loop is computed is a *form*; ``MLXBackend.form`` is the one place where the form
-of a call is chosen. There is one form today:
+of a call is chosen, from the schedule that ``schedule.choose`` picked. Two forms:
 
 * ``SequentialForm``, for any spec. Each step program is split (``phases.split``) around its
   carry (the state forward, ``λ`` backward): only the carry chain runs step by step, with as few
@@ -15,6 +15,9 @@ of a call is chosen. There is one form today:
   that is not the carry (``post``: outputs, input gradients and their reductions over lanes and
   batch) run once per segment on arrays with a leading time axis. Inputs are laid out time-major
   once per call, so a segment is one slice and its steps one split.
+* ``ChunkedForm`` (``mlx_chunked.py``), for state-affine specs (``schedule="chunked"``): within
+  a segment the states of all steps come from an associative scan of the per-step affine maps
+  in ``log2(seg)`` rounds of MLX ops; the backward differentiates that scan per segment.
 
 Group axes are expanded (``layout.expand_groups``) and their gradients summed back over the
 group; bool and integer inputs are read as fp32 and get no gradient (``backward`` returns the
@@ -387,20 +390,31 @@ class MLXBackend:
         self.forward_step = render_mlx(rec.forward_program, "forward_step")
         self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
         self.sequential = SequentialForm(rec, self.table)
+        self._chunked = None
 
     @property
     def origin(self) -> dict:
         """symbol -> (kind, (tensor, component)): what each step argument is."""
         return self.table.key
 
-    def form(self, sizes):
-        """The form that computes a call of these sizes: the one place where it is chosen."""
-        return self.sequential
+    @property
+    def chunked(self):
+        """The chunked form (built on first use; state-affine specs only)."""
+        if self._chunked is None:
+            from .mlx_chunked import ChunkedForm
 
-    def forward(self, inputs, states, sizes, seg, out_dtype):
-        return self.form(sizes).forward(inputs, states, sizes, seg, out_dtype)
+            self._chunked = ChunkedForm(self.rec, self.table)
+        return self._chunked
+
+    def form(self, sizes, schedule="sequential"):
+        """The form that computes a call of these sizes under the schedule ``schedule.choose``
+        picked: the one place where it is chosen."""
+        return self.chunked if schedule == "chunked" else self.sequential
+
+    def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
+        return self.form(sizes, schedule).forward(inputs, states, sizes, seg, out_dtype)
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
-                 d_residuals=None):
-        return self.form(sizes).backward(inputs, states, residuals, d_outputs, d_finals, sizes, seg,
-                                         d_residuals=d_residuals)
+                 d_residuals=None, schedule="sequential"):
+        return self.form(sizes, schedule).backward(inputs, states, residuals, d_outputs, d_finals,
+                                                   sizes, seg, d_residuals=d_residuals)

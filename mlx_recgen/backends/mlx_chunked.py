@@ -1,0 +1,202 @@
+"""The chunked form of the pure-MLX backend: time in parallel for state-affine recurrences.
+
+For a spec that ``affine.analyse`` finds time-parallel, every state update is ``h' = M h + b``
+with ``M`` and ``b`` free of the state and ``M`` block-diagonal over the state index. Within a
+segment of ``seg`` steps:
+
+* the per-step multipliers ``M_t`` (one ``K x K`` block per group of mixed slots, entries
+  scalar per lane or per state element) and offsets ``b_t = F(0)`` come from one call of the
+  segment summary program (``affine.summary_program``) on time-stacked inputs, with the state
+  at zero and the running product at the identity: its stores are then ``b_t`` and ``M_t``;
+* the segment's checkpoint enters the first offset (``b_0 <- M_0 h_0 + b_0``) and an inclusive
+  Hillis-Steele scan composes the affine maps over time in ``ceil(log2 seg)`` rounds of MLX ops,
+  ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)`` (elementwise for scalar blocks, explicit sums of
+  products for ``K x K`` blocks), giving the state after every step;
+* the outputs are the forward program's ``post`` phase (``phases.split``), evaluated for the
+  whole segment from the stacked states that entered each step.
+
+Checkpoints are the states at segment starts, laid out as the sequential form's. The backward
+walks the segments newest first: it recomputes a segment from its checkpoint with the same
+scan and lets MLX autodiff take the VJP of that vectorized computation, seeded with the
+outputs' cotangents and ``λ`` at the segment end (the cotangent of its end state); the VJP's
+cotangent of the checkpoint is ``λ`` at the segment start. Memory stays at one segment; the
+gradients of inputs without the time axis are summed over segments.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..affine import product_entries, summary_program
+from ..layout import canonical_shape, expanded, from_time_major, sum_groups
+from ..render.mlx_ops import render_mlx
+from .mlx_ops import SequentialForm, _Block, _after, _concat, _fit, _write
+
+
+def _shift(x, d: int, fill: float):
+    """``x`` delayed by ``d`` steps along the time axis, the first ``d`` steps ``fill``."""
+    pad = mx.full((d, *x.shape[1:]), fill, dtype=x.dtype)
+    return mx.concatenate([pad, x[:-d]], axis=0)
+
+
+def _timed(x, T: int, rank: int):
+    """``x`` with a leading time axis of ``T`` steps and ``rank`` axes in all (other axes are
+    left to broadcasting)."""
+    x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
+    if x.ndim < rank:
+        x = x.reshape((1,) * (rank - x.ndim) + tuple(x.shape))
+    return x if x.shape[0] == T else mx.broadcast_to(x, (T, *x.shape[1:]))
+
+
+def affine_scan(A: list, b: list) -> list:
+    """The inclusive scan of the affine maps ``h <- A_t h + b_t`` over the leading (time) axis:
+    ``A`` is a ``K x K`` list of arrays, ``b`` a list of ``K`` arrays; returns, for every ``t``,
+    the offsets of the composed map ``(A_t, b_t) o ... o (A_0, b_0)``. Hillis-Steele: round
+    ``d`` composes every map with the one ``d`` steps before it."""
+    K, T = len(b), b[0].shape[0]
+    d = 1
+    while d < T:
+        last = 2 * d >= T
+        Ab = [[_shift(A[k][j], d, 1.0 if k == j else 0.0) for j in range(K)] for k in range(K)]
+        bb = [_shift(x, d, 0.0) for x in b]
+        b = [sum((A[i][k] * bb[k] for k in range(K)), start=b[i]) if K > 1 else A[i][0] * bb[0] + b[i]
+             for i in range(K)]
+        if not last:
+            A = [[A[i][0] * Ab[0][j] if K == 1 else
+                  sum(A[i][k] * Ab[k][j] for k in range(1, K)) + A[i][0] * Ab[0][j]
+                  for j in range(K)] for i in range(K)]
+        d *= 2
+    return b
+
+
+class ChunkedForm(SequentialForm):
+    """Per segment, the states of all its steps by an associative scan of the affine maps."""
+
+    name = "chunked"
+
+    def __init__(self, rec, table):
+        super().__init__(rec, table)
+        form = self.form = rec.affine
+        self.products = product_entries(rec.ir, form)
+        self.summary = render_mlx(summary_program(rec.ir, form, self.products), "summary")
+        self.product_syms = {p.symbol: p for p in self.products}
+        self.slot_index = {}  # the summary's stores, by (tensor, component) or (block, row, col)
+        for i, (_, slot) in enumerate(self.summary.results):
+            self.slot_index[slot] = i
+
+    # -- one segment ---------------------------------------------------------------------------
+    def _segment(self, carry: dict, block: _Block, sizes):
+        """The outputs of a block of steps (time-major) and the states after each step."""
+        spec, table = self.rec.spec, self.table
+        T = block.steps
+        args = [block.ones] if self.summary.needs_state_ones else []
+        for sym in self.summary.args:
+            if sym in self.product_syms:
+                p = self.product_syms[sym]
+                args.append(mx.array(1.0 if p.row == p.col else 0.0))
+            elif sym in table.state_of.values() or sym in table.states:
+                args.append(mx.array(0.0))
+            else:
+                args.append(block.values[table.key[sym][1]])
+        res = self.summary.fn(*args)
+        after = {}
+        for bi, blk in enumerate(self.form.blocks):
+            syms = [spec.symbols[s] for s in blk.slots]
+            shapes = [(T, *table.step_shape(s, sizes)) for s in syms]
+            K = blk.size
+            A = [[_timed(res[self.slot_index[self._product(bi, i, j).slot]], T, len(shapes[i]))
+                  for j in range(K)] for i in range(K)]
+            b = [_fit(res[self.slot_index[s]], sh) for s, sh in zip(blk.slots, shapes)]
+            h0 = [carry[s] for s in syms]
+            first = [sum((A[i][k][:1] * h0[k] for k in range(K)), start=b[i][:1]) for i in range(K)]
+            b = [_concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
+            for s, h in zip(syms, affine_scan(A, b)):
+                after[s] = h
+        entered = {s: _concat([carry[s], after[s][:-1]]) if T > 1 else carry[s]
+                   for s in table.states}
+        outs = self._call(self.forward_chain.post, entered, block)
+        blocks = [_fit(y, (T, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
+                                                with_time=False)))
+                  for (_, slot), y in zip(self.forward_chain.post.results, outs)]
+        return blocks, {s: after[s][-1:] for s in table.states}
+
+    def _product(self, block: int, row: int, col: int):
+        return next(p for p in self.products if (p.block, p.row, p.col) == (block, row, col))
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, inputs, states, sizes, seg, out_dtype):
+        spec, table = self.rec.spec, self.table
+        L = sizes[spec.time]
+        values = self._time_major(spec.inputs.values(), inputs, sizes)
+        ones = self._ones(sizes)
+        carry = self._initial(states, table.states, sizes)
+        n_out = len(self.forward_chain.post.results)
+        checkpoints, buffers = [], [None] * n_out
+        for start in range(0, L, seg):
+            checkpoints.append(carry)
+            block = self._slice(values, start, min(L, start + seg), ones)
+            outs, carry = self._segment(carry, block, sizes)
+            buffers = [_write(b, y, start, L) for b, y in zip(buffers, outs)]
+            carry = _after(carry, outs)
+        parts = {(slot.tensor, slot.component): b
+                 for (_, slot), b in zip(self.forward_chain.post.results, buffers)}
+        outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
+                                   reduce_missing=False).astype(out_dtype)
+                   for t in spec.outputs.values()]
+        residuals = [_concat([c[s] for c in checkpoints]) for s in table.states]
+        return outputs, self._declared(carry, table.states), residuals
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                 d_residuals=None):
+        spec, table = self.rec.spec, self.table
+        L = sizes[spec.time]
+        values = self._time_major(spec.inputs.values(), inputs, sizes)
+        d_values = self._time_major(spec.outputs.values(), d_outputs, sizes)
+        ones = self._ones(sizes)
+        lam = self._initial(d_finals, table.states, sizes)
+        checkpoints = dict(zip(table.states, residuals))
+        keys = [k for k in values if spec.inputs[k[0]].differentiable]
+        timed = [k for k in keys if spec.inputs[k[0]].has_time]
+        out_slots = [(slot.tensor, slot.component) for _, slot in self.forward_chain.post.results]
+        n_state = len(table.states)
+        step_grads, param_grads = {}, {}
+        for s in reversed(range(-(-L // seg))):
+            lo, hi = s * seg, min(L, (s + 1) * seg)
+            block = self._slice(values, lo, hi, ones)
+
+            def segment(*arrays, block=block):
+                carry = dict(zip(table.states, arrays[:n_state]))
+                vals = dict(block.values)
+                vals.update(zip(keys, arrays[n_state:]))
+                outs, end = self._segment(carry, _Block(vals, block.steps, ones), sizes)
+                return (*outs, *(end[x] for x in table.states))
+
+            primals = [checkpoints[x][s:s + 1] for x in table.states] + [block.values[k] for k in keys]
+            cot = [_fit(d_values[k][lo:hi], (hi - lo, *canonical_shape(
+                spec, spec.outputs[k[0]], sizes, with_time=False))) for k in out_slots]
+            cot += [_fit(lam[x], checkpoints[x][s:s + 1].shape) for x in table.states]
+            _, vjps = mx.vjp(segment, primals, cot)
+            lam = dict(zip(table.states, vjps[:n_state]))
+            if d_residuals is not None:
+                lam = {x: lam[x] + d_residuals[i][s:s + 1] for i, x in enumerate(table.states)}
+            grads = dict(zip(keys, vjps[n_state:]))
+            lam = _after(lam, list(grads.values()))
+            for key, g in grads.items():
+                if key in timed:
+                    step_grads[key] = _write(step_grads.get(key), g, lo, L)
+                else:
+                    param_grads[key] = g + param_grads[key] if key in param_grads else g
+        grads = []
+        for t, x in zip(spec.inputs.values(), inputs):
+            if not t.differentiable:
+                continue
+            parts = [(step_grads if t.has_time else param_grads)[(t.name, c)]
+                     for c in range(t.components)]
+            g = from_time_major(spec, expanded(spec, t), parts, reduce_missing=True)
+            grads.append(sum_groups(spec, t, g, sizes).astype(x.dtype))
+        d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.states), states)]
+        return grads, d_init
+
+
+__all__ = ["ChunkedForm", "affine_scan"]
