@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
-from sympy.core.relational import Relational
 
 from .ir import (Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, free_symbols,
                  loop_symbols, schedule_forward)

@@ -492,6 +492,12 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
                   for g, x in zip(lam_start, init)]
         return tuple(mx.depends([*grads, *d_init], adjoints))
 
+    return _with_backward(forward, backward, rules, n_out, n_state)
+
+
+def _with_backward(forward, backward, rules, n_out, n_state):
+    """``forward`` with ``backward`` as its VJP (fed the forward's extra residual outputs), and
+    both wrapped by the group's transform rules (first order only)."""
     rules.first_order(backward)
 
     @forward.vjp
@@ -563,14 +569,7 @@ def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
                   for g, x in zip(lam_start, init)]
         return tuple(mx.depends([*grads, *d_init], last))
 
-    rules.first_order(backward)
-
-    @forward.vjp
-    def forward_vjp(primals, cotangents, outputs):
-        extra = list(outputs[n_out + n_state:])
-        return backward(*primals, *extra, *cotangents[:n_out + n_state])
-
-    return rules.forward(forward)
+    return _with_backward(forward, backward, rules, n_out, n_state)
 
 
 __all__ = ["call_distributed", "chunk_products"]

@@ -38,3 +38,16 @@ def rel_err(a, b, dtype=np.float64) -> float:
     den = np.linalg.norm(b.ravel())
     assert den > 0, "reference is identically zero: the comparison would prove nothing"
     return float(np.linalg.norm((a - b).ravel()) / den)
+
+
+def cuda_available() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+# The kernel backends a test runs on: the emitted Metal through the simulator (marker ``sim``),
+# and the same templates as CUDA on an NVIDIA GPU (marker ``gpu``; skipped without one).
+KERNEL_BACKENDS = [
+    pytest.param("metal-sim", marks=pytest.mark.sim),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not cuda_available(), reason="MLX has no CUDA backend on this machine")]),
+]

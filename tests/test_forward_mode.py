@@ -17,21 +17,10 @@ import mlx_recgen as rg
 from mlx_recgen import Sum, abs as rg_abs, maximum, sigmoid, tanh, where
 from mlx_recgen.backends.mlx_ops import MLXBackend
 from mlx_recgen.sim import SimulatorTransformError
-from conftest import rel_err
+from conftest import KERNEL_BACKENDS, rel_err
 from references import INPUTS
 
-
-def _cuda_available():
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
-BACKENDS = [
-    "mlx",
-    pytest.param("metal-sim", marks=pytest.mark.sim),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not _cuda_available(), reason="MLX has no CUDA backend on this machine")]),
-]
-KERNEL_BACKENDS = BACKENDS[1:]
+BACKENDS = ["mlx", *KERNEL_BACKENDS]
 
 SIZES = {"ssd": dict(b=2, L=9, H=2, P=3, N=4), "gla": dict(b=2, L=9, H=2, K=3, V=4),
          "rglru": dict(b=2, L=9, D=5, negative=True), "rotlru": dict(b=2, L=9, P=3)}

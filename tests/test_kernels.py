@@ -14,18 +14,10 @@ import pytest
 import mlx_recgen as rg
 from references import (INPUTS, gla_ref, rglru_ref, rotlru_ref, ssd_ref, state_loss_weights,
                         value_and_grads)
-from conftest import rel_err
+from conftest import KERNEL_BACKENDS, rel_err
 
 
-def _cuda_available():
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
-BACKENDS = [
-    pytest.param("metal-sim", marks=pytest.mark.sim),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not _cuda_available(), reason="MLX has no CUDA backend on this machine")]),
-]
+BACKENDS = KERNEL_BACKENDS
 
 REFERENCES = {"ssd": ssd_ref, "gla": gla_ref, "rglru": rglru_ref, "rotlru": rotlru_ref}
 

@@ -21,18 +21,10 @@ import mlx.core as mx
 import pytest
 
 import mlx_recgen as rg
-from conftest import rel_err
+from conftest import KERNEL_BACKENDS, rel_err
 
 
-def _cuda_available():
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
-KERNELS = [
-    pytest.param("metal-sim", marks=pytest.mark.sim),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not _cuda_available(), reason="MLX has no CUDA backend on this machine")]),
-]
+KERNELS = KERNEL_BACKENDS
 # (backend, schedule): the pure-MLX backend runs the sequential schedule only; "reference" is
 # rec.reference, the spec's expressions evaluated per step on MLX arrays
 RUNS = [pytest.param("reference", "sequential", id="reference"),

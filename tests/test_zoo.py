@@ -16,22 +16,13 @@ import mlx.core as mx
 import pytest
 
 import mlx_recgen as rg
-from conftest import rel_err
+from conftest import KERNEL_BACKENDS, rel_err
 from references import ZOO_REFERENCES, mlstm_unstabilised_ref
 
 TOL = 1e-5
 b, L, H, K, V, SEG = 2, 11, 2, 3, 5, 4
 
 
-def _cuda_available():
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
-KERNEL_BACKENDS = [
-    pytest.param("metal-sim", marks=pytest.mark.sim),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not _cuda_available(), reason="MLX has no CUDA backend on this machine")]),
-]
 
 
 def _n(*shape, scale=1.0):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..affine import product_entries, summary_program
-from ..layout import canonical_shape, expanded, from_time_major, sum_groups
+from ..layout import canonical_shape, from_time_major
 from ..render.mlx_ops import render_mlx
 from .mlx_ops import SequentialForm, _Block, _after, _concat, _fit, _write
 
@@ -157,7 +157,6 @@ class ChunkedForm(SequentialForm):
         lam = self._initial(d_finals, table.states, sizes)
         checkpoints = dict(zip(table.states, residuals))
         keys = [k for k in values if spec.inputs[k[0]].differentiable]
-        timed = [k for k in keys if spec.inputs[k[0]].has_time]
         out_slots = [(slot.tensor, slot.component) for _, slot in self.forward_chain.post.results]
         n_state = len(table.states)
         step_grads, param_grads = {}, {}
@@ -182,19 +181,8 @@ class ChunkedForm(SequentialForm):
                 lam = {x: lam[x] + d_residuals[i][s:s + 1] for i, x in enumerate(table.states)}
             grads = dict(zip(keys, vjps[n_state:]))
             lam = _after(lam, list(grads.values()))
-            for key, g in grads.items():
-                if key in timed:
-                    step_grads[key] = _write(step_grads.get(key), g, lo, L)
-                else:
-                    param_grads[key] = g + param_grads[key] if key in param_grads else g
-        grads = []
-        for t, x in zip(spec.inputs.values(), inputs):
-            if not t.differentiable:
-                continue
-            parts = [(step_grads if t.has_time else param_grads)[(t.name, c)]
-                     for c in range(t.components)]
-            g = from_time_major(spec, expanded(spec, t), parts, reduce_missing=True)
-            grads.append(sum_groups(spec, t, g, sizes).astype(x.dtype))
+            self._collect(grads, step_grads, param_grads, lo, L)
+        grads = self._input_grads(inputs, step_grads, param_grads, sizes)
         d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.states), states)]
         return grads, d_init
 

@@ -345,11 +345,24 @@ class SequentialForm:
                                       for i, l in enumerate(table.lambdas)}, sizes)
                 lam = {l: lam[l] + seeds[l] for l in table.lambdas}
             lam = _after(lam, list(grads.values()))
-            for key, g in grads.items():
-                if spec.inputs[key[0]].has_time:
-                    step_grads[key] = _write(step_grads.get(key), g, s * seg, L)
-                else:
-                    param_grads[key] = g + param_grads[key] if key in param_grads else g
+            self._collect(grads, step_grads, param_grads, s * seg, L)
+        grads = self._input_grads(inputs, step_grads, param_grads, sizes)
+        d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.lambdas), states)]
+        return grads, d_init
+
+    def _collect(self, grads: dict, step_grads: dict, param_grads: dict, start: int, L: int):
+        """Add one segment's gradient blocks: per-step ones written at ``start`` along time,
+        parameter ones summed."""
+        for key, g in grads.items():
+            if self.rec.spec.inputs[key[0]].has_time:
+                step_grads[key] = _write(step_grads.get(key), g, start, L)
+            else:
+                param_grads[key] = g + param_grads[key] if key in param_grads else g
+
+    def _input_grads(self, inputs, step_grads: dict, param_grads: dict, sizes) -> list:
+        """The gradients of the differentiable inputs in their declared layouts (group axes
+        summed back over their groups)."""
+        spec = self.rec.spec
         grads = []
         for t, x in zip(spec.inputs.values(), inputs):
             if not t.differentiable:
@@ -358,8 +371,7 @@ class SequentialForm:
                      for c in range(t.components)]
             g = from_time_major(spec, expanded(spec, t), parts, reduce_missing=True)
             grads.append(sum_groups(spec, t, g, sizes).astype(x.dtype))
-        d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.lambdas), states)]
-        return grads, d_init
+        return grads
 
     def _backward_segment(self, entered: list, lam: dict, block: _Block, sizes):
         """λ before the segment and the input-gradient blocks of the segment, given the states
