@@ -6,7 +6,7 @@ chunked ``ssm_attn``, same inputs, same process (needs ``pip install mlx-lm``).
 mlx-lm takes the raw ``dt`` and ``A_log`` and applies ``softplus(dt + dt_bias)`` clipped to
 ``time_step_limit`` and ``A = -exp(A_log)``; the spec takes the processed ``dt`` and ``A`` (that
 processing is done once, outside the timing, and checked to give the same outputs). B and C are
-given per head (one group per head), the layout the spec takes.
+given per group of heads (G groups), in both.
 """
 
 from __future__ import annotations
@@ -39,24 +39,24 @@ def main():
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--shapes", default="1,512,8,32,64;2,1024,8,32,64")
+    p.add_argument("--shapes", default="1,512,8,2,32,64;2,1024,8,2,32,64")
     args = p.parse_args()
     rec = rg.load_spec("mamba2")
     lines = ["# Mamba-2 SSD forward: mlx-recgen (`mlx` backend) vs mlx-lm's `ssm_attn`", "",
              f"machine: {platform.machine()} CPU, {mx.default_device()}; date "
              f"{datetime.date.today()}; mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}; fp32; "
              "median of 5 after a warm-up", "",
-             "| shape (B, L, H, P, N) | schedule | ours | mlx-lm ssm_attn | ours / mlx-lm | rel. error |",
+             "| shape (B, L, H, G, P, N) | schedule | ours | mlx-lm ssm_attn | ours / mlx-lm | rel. error |",
              "|---|---|---|---|---|---|"]
     mx.random.seed(0)
     for text in args.shapes.split(";"):
-        b, L, H, P, N = map(int, text.split(","))
+        b, L, H, G, P, N = map(int, text.split(","))
         x = mx.random.normal((b, L, H, P))
         dt_raw = mx.random.normal((b, L, H))
         dt_bias = mx.random.normal((H,)) * 0.5
         A_log = mx.random.uniform(-1.0, 1.0, (H,))
-        B = mx.random.normal((b, L, H, N)) * N ** -0.5
-        C = mx.random.normal((b, L, H, N)) * N ** -0.5
+        B = mx.random.normal((b, L, G, N)) * N ** -0.5
+        C = mx.random.normal((b, L, G, N)) * N ** -0.5
         D = mx.random.normal((H,))
         limit = (0.001, 100.0)
         dt = mx.clip(nn.softplus(dt_raw + dt_bias), *limit)

@@ -4,9 +4,8 @@
     y[p]     = sum_n C[n] * h[p, n] + D * x[p]
 
 x: [B, L, H, P], dt: [B, L, H] (the step after its softplus), A: [H] (negative for decay),
-B, C: [B, L, H, N], D: [H]. State [B, H, P, N]; one lane per head channel p. Mamba-2 shares B
-and C across a group of heads; here they are given per head (repeat a group's B and C over its
-heads: their gradients then come back per head, to be summed over the group).
+B, C: [B, L, G, N] shared by the H / G heads of each group (Mamba-2's n_groups; G = H gives a
+B and C per head), D: [H]. State [B, H, P, N]; one lane per head channel p.
 """
 
 import mlx_recgen as rg
@@ -14,9 +13,9 @@ from mlx_recgen import Sum, exp
 
 
 @rg.recurrence(lane="P", state={"h": "B H P N"},
-               inputs={"x": "B L H P", "dt": "B L H", "A": "H", "B": "B L H N",
-                       "C": "B L H N", "D": "H"},
-               outputs={"y": "B L H P"})
+               inputs={"x": "B L H P", "dt": "B L H", "A": "H", "B": "B L G N",
+                       "C": "B L G N", "D": "H"},
+               outputs={"y": "B L H P"}, groups={"G": "H"})
 def mamba2(h, x, dt, A, B, C, D, n):
     h[n] = exp(dt * A) * h[n] + dt * B[n] * x
     return {"y": Sum(C[n] * h[n], n) + D * x}

@@ -13,16 +13,16 @@ twin of
 
 (the same h: C and n carry a factor exp(-m)). q, k: [B, L, H, K] (k already scaled by
 1/sqrt(K)), v: [B, L, H, V], i~, f~ (the gates' pre-activations): [B, L, H]. States:
-C [B, H, K, V]; the normaliser n and the stabiliser m, which the paper keeps per head
-([B, H, K] and [B, H]), are kept per value channel (one copy per lane, all equal when the
-initial copies are). One lane per value channel.
+C [B, H, K, V]; the normaliser n [B, H, K] and the stabiliser m [B, H] are per head, as in the
+paper: states without the lane axis, shared by the head's value channels. One lane per value
+channel.
 """
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, abs, exp, maximum, softplus
 
 
-@rg.recurrence(lane="V", state={"C": "B H K V", "n": "B H K V", "m": "B H V"},
+@rg.recurrence(lane="V", state={"C": "B H K V", "n": "B H K", "m": "B H"},
                inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "igate": "B L H",
                        "fgate": "B L H"},
                outputs={"h": "B L H V"})

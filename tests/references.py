@@ -126,9 +126,11 @@ def mamba1_ref(u, delta, A, B, C, D, h0=None, dtype=F32):
 def mamba2_ref(x, dt, A, B, C, D, h0=None, dtype=F32):
     """Mamba-2's SSD with a scalar decay per head: h = exp(dt A) h + dt x B^T;  y = h C + D x.
 
-    x [b,L,H,P], dt [b,L,H], A, D [H], B, C [b,L,H,N]; state [b,H,P,N]."""
+    x [b,L,H,P], dt [b,L,H], A, D [H], B, C [b,L,G,N] (one per group of H/G heads); state
+    [b,H,P,N]."""
     x, dt, A, B, C, D = _cast(dtype, x, dt, A, B, C, D)
     b, L, H, P = x.shape
+    B, C = (mx.repeat(z, H // z.shape[2], axis=2) for z in (B, C))  # head h reads group h // (H/G)
     h = mx.zeros((b, H, P, B.shape[-1]), dtype) if h0 is None else h0.astype(dtype)
     ys = []
     for t in range(L):

@@ -44,8 +44,8 @@ def _draw(name):
         return [_n(b, L, D), _u(0.05, 0.6, b, L, D), _n(D, K, scale=0.5), _n(b, L, K, scale=0.5),
                 _n(b, L, K, scale=0.5), _n(D)], [_n(b, D, K, scale=0.5)]
     if name == "mamba2":
-        return [_n(b, L, H, V), _u(0.05, 0.6, b, L, H), _n(H, scale=0.5),
-                _n(b, L, H, K, scale=0.5), _n(b, L, H, K, scale=0.5), _n(H)], \
+        return [_n(b, L, H, V), _u(0.05, 0.6, b, L, H), _n(H, scale=0.5),  # B, C: one group
+                _n(b, L, 1, K, scale=0.5), _n(b, L, 1, K, scale=0.5), _n(H)], \
                [_n(b, H, V, K, scale=0.5)]
     if name == "deltanet":
         return [qk(), qk(), vv(), _n(b, L, H, scale=0.5)], [S0()]
@@ -74,23 +74,14 @@ def _draw(name):
 
 
 def _to_spec(name, states):
-    """The reference's initial states as the spec's dict: mLSTM's normaliser n [b,H,K] and
-    stabiliser m [b,H] are copied to every lane (value channel)."""
-    rec = rg.load_spec(name)
-    if name == "mlstm":
-        C, n, m = states
-        states = [C, mx.broadcast_to(n[..., None], C.shape), mx.broadcast_to(m[..., None], (b, H, V))]
-    return dict(zip(rec.spec.states, states))
+    """The reference's initial states as the spec's dict."""
+    return dict(zip(rg.load_spec(name).spec.states, states))
 
 
 def _from_spec(name, finals):
-    """The spec's final states in the reference's layout (the mean of mLSTM's lane copies)."""
+    """The spec's final states in the reference's order."""
     finals = finals if isinstance(finals, dict) else {next(iter(rg.load_spec(name).spec.states)): finals}
-    values = list(finals.values())
-    if name == "mlstm":
-        C, n, m = values
-        values = [C, mx.mean(n, axis=-1), mx.mean(m, axis=-1)]
-    return values
+    return list(finals.values())
 
 
 def _reference(name, inputs, states):
@@ -186,16 +177,14 @@ def test_chunked_kernels_match_the_paper(name, backend):
     _assert_close(compare(name, backend, "chunked"))
 
 
-def test_mlstm_lane_copies_stay_equal_and_match_the_unstabilised_cell():
-    """The per-lane copies of n and m stay identical, and the stabilised cell from zero states
-    equals the unstabilised one (the stabiliser cancels in h)."""
+def test_mlstm_matches_the_unstabilised_cell():
+    """The stabilised cell from zero states equals the unstabilised one (the stabiliser cancels
+    in h); its normaliser and stabiliser are per head (shared by the lanes)."""
     mx.random.seed(3)
     inputs, _ = _draw("mlstm")
     rec = rg.load_spec("mlstm")
     h, finals = rec(*inputs, return_state=True, backend="mlx", seg=SEG)
-    for s in ("n", "m"):
-        copies = finals[s]
-        assert mx.array_equal(copies, mx.broadcast_to(copies[..., :1], copies.shape)).item()
+    assert finals["n"].shape == (b, H, K) and finals["m"].shape == (b, H)
     assert rel_err(h, mlstm_unstabilised_ref(*inputs)) < TOL
 
 
