@@ -210,5 +210,20 @@ def _with_dependencies(reductions, reads) -> list:
     return [r for r in reductions if r.target in need]
 
 
-__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "analyse", "product_entries",
-           "summary_program"]
+@dataclass(frozen=True)
+class SegmentSummary:
+    """The segment summary of a state-affine recurrence: its product entries and the step that
+    advances the state and ``P`` together. Derived once (``Recurrence.segment_summary``) and
+    rendered by both the kernels and the pure-MLX chunked form."""
+
+    products: tuple
+    program: Program
+
+
+def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
+    products = tuple(product_entries(ir, form))
+    return SegmentSummary(products, summary_program(ir, form, list(products)))
+
+
+__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse",
+           "product_entries", "segment_summary", "summary_program"]

@@ -462,17 +462,8 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
 
     @mx.custom_function
     def backward(*arrays):
-        arrays, k = rules.opaque(arrays), 0
-
-        def take(n):
-            nonlocal k
-            k += n
-            return list(arrays[k - n:k])
-
-        inputs, init, start = take(n_in), take(n_state), take(n_state)
-        gathered, = take(1)
-        residuals = take(len(arrays) - k - n_out - n_state)
-        d_out, d_fin = take(n_out), take(n_state)
+        inputs, init, start, (gathered,), residuals, d_out, d_fin = _backward_arguments(
+            rules.opaque(arrays), n_in, n_state, n_out)
         _, lam_local = impl.backward(inputs, start, residuals, d_out, states.zeros(), sizes,
                                      seg, **options)
         payload = mx.concatenate([states.flat(states.canonical(lam_local)),
@@ -493,6 +484,18 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
         return tuple(mx.depends([*grads, *d_init], adjoints))
 
     return _with_backward(forward, backward, rules, n_out, n_state)
+
+
+def _backward_arguments(arrays, n_in, n_state, n_out) -> tuple:
+    """A collective backward's arguments, split: inputs, initial states, this chunk's start
+    states, the forward's one extra output, the inner residuals, output and final-state
+    cotangents (the order ``_with_backward`` passes them in)."""
+    arrays = list(arrays)
+    head = n_in + 2 * n_state
+    tail = len(arrays) - n_out - n_state
+    return (arrays[:n_in], arrays[n_in:n_in + n_state], arrays[n_in + n_state:head],
+            arrays[head:head + 1], arrays[head + 1:tail], arrays[tail:tail + n_out],
+            arrays[tail + n_out:])
 
 
 def _with_backward(forward, backward, rules, n_out, n_state):
@@ -541,17 +544,9 @@ def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
 
     @mx.custom_function
     def backward(*arrays):
-        arrays, k = rules.opaque(arrays), 0
-
-        def take(n):
-            nonlocal k
-            k += n
-            return list(arrays[k - n:k])
-
-        inputs, init, start = take(n_in), take(n_state), take(n_state)
-        take(1)  # the forward's last hand-over (ordering only)
-        residuals = take(len(arrays) - k - n_out - n_state)
-        d_out, d_fin = take(n_out), take(n_state)
+        # the extra forward output (the last hand-over) only orders the collectives
+        inputs, init, start, _, residuals, d_out, d_fin = _backward_arguments(
+            rules.opaque(arrays), n_in, n_state, n_out)
         lam = _collective(mx.distributed.all_sum, flat(d_fin), group)  # summed over ranks
         grads = lam_start = None
         for q in range(size - 1, -1, -1):  # hand-over q: the adjoint at the start of chunk q

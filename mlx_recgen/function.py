@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from . import cache as program_cache
 from .adjoint import derive
-from .affine import analyse
+from .affine import analyse, segment_summary
 from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
 from .schedule import choose as choose_schedule
@@ -102,6 +102,14 @@ class Recurrence:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @functools.cached_property
+    def segment_summary(self):
+        """The chunked schedule's segment-summary step (``affine.segment_summary``), derived once
+        for every rendering of it."""
+        if not self.time_parallel:
+            raise ValueError(f"{self.name} is not state-affine: {self.affine.reason}")
+        return segment_summary(self.ir, self.affine)
 
     @property
     def time_parallel(self) -> bool:

@@ -210,13 +210,13 @@ class KernelBackend:
         return (self._state_buffer_shapes(sizes, sch, instances)
                 + self._product_shapes(sizes, sch, instances))
 
-    def _run(self, kind, sch, sizes, inputs, shapes, dtypes, dtypes_text, template=()):
-        """Launch one kernel of the chunked schedule."""
+    def _run(self, kind, sch, sizes, meta, inputs, shapes, dtypes, dtypes_text, template=()):
+        """Launch one kernel of the chunked schedule (``meta``: the pass's runtime values)."""
         outer = sch.state_size if kind in ("carry", "adjoint_carry") else \
             -(-sizes[self.rec.spec.time] // sch.seg)
         _, grid, group = self._launch(sizes, sch, outer=outer)
         kernel = self.kernel(kind, sch, dtypes_text)
-        return kernel(inputs=[*inputs, self._meta(sizes, sch)],
+        return kernel(inputs=[*inputs, meta],
                       template=[*sch.template(), *template], grid=grid, threadgroup=group,
                       output_shapes=shapes, output_dtypes=dtypes)
 
@@ -285,20 +285,21 @@ class KernelBackend:
         spec = self.rec.spec
         sch = self._schedule(sizes, seg, threads, kind="chunked")
         instances = self._launch(sizes, sch)[0]
+        meta = self._meta(sizes, sch)
         in_dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs)
         inputs = [_as_buffer(x) for x in inputs]
         n_state = len(spec.states)
         per_state = self._state_buffer_shapes(sizes, sch, instances)
         prods = self._product_shapes(sizes, sch, instances)
         f32 = mx.float32
-        summary = self._run("summary", sch, sizes, inputs, per_state + prods,
+        summary = self._run("summary", sch, sizes, meta, inputs, per_state + prods,
                             [f32] * (n_state + len(prods)), in_dtypes)
         local, prod = list(summary[:n_state]), list(summary[n_state:])
-        carried = self._run("carry", sch, sizes, [*states, *local, *prod],
+        carried = self._run("carry", sch, sizes, meta, [*states, *local, *prod],
                             [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
                             [f32] * (2 * n_state), ", ".join(_dtype_name(x.dtype) for x in states))
         finals, ckpts = list(carried[:n_state]), list(carried[n_state:])
-        outs = self._run("outputs", sch, sizes, [*inputs, *ckpts],
+        outs = self._run("outputs", sch, sizes, meta, [*inputs, *ckpts],
                          [declared_shape(t, sizes) for t in spec.outputs.values()],
                          [out_dtype] * len(spec.outputs),
                          in_dtypes + f" -> {_dtype_name(out_dtype)}", [("OutT", out_dtype)])
@@ -309,21 +310,22 @@ class KernelBackend:
         spec = self.rec.spec
         sch = self._schedule(sizes, seg, threads, kind="chunked")
         instances = self._launch(sizes, sch)[0]
+        meta = self._meta(sizes, sch)
         n_state = len(spec.states)
         ckpts, prods = residuals[:n_state], residuals[n_state:]
         shares = self._state_buffer_shapes(sizes, sch, instances, shares=True)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         buffers = [_as_buffer(x) for x in inputs]
         f32 = mx.float32
-        local = self._run("local_adjoint", sch, sizes, [*buffers, *ckpts, *d_outputs], shares,
-                          [f32] * n_state, dtypes)
-        carried = self._run("adjoint_carry", sch, sizes,
+        local = self._run("local_adjoint", sch, sizes, meta, [*buffers, *ckpts, *d_outputs],
+                          shares, [f32] * n_state, dtypes)
+        carried = self._run("adjoint_carry", sch, sizes, meta,
                             [*[g.astype(f32) for g in d_finals], *local, *prods],
                             self._d_init_shapes(sizes) + shares,
                             [f32] * (2 * n_state), "float32")
         d_init, lam_end = carried[:n_state], list(carried[n_state:])
         shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
-        results = self._run("gradients", sch, sizes, [*buffers, *ckpts, *d_outputs, *lam_end],
+        results = self._run("gradients", sch, sizes, meta, [*buffers, *ckpts, *d_outputs, *lam_end],
                             shapes, [f32] * len(shapes), dtypes)
         grads = self._finish_grads(inputs, results, sizes, sch)
         return grads, self._finish_d_init(d_init, states)

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..affine import product_entries, summary_program
-from ..layout import canonical_shape, from_time_major
+from ..layout import canonical_shape
 from ..render.mlx_ops import render_mlx
 from .mlx_ops import SequentialForm, _Block, _after, _concat, _fit, _write
 
@@ -76,9 +75,9 @@ class ChunkedForm(SequentialForm):
 
     def __init__(self, rec, table):
         super().__init__(rec, table)
-        form = self.form = rec.affine
-        self.products = product_entries(rec.ir, form)
-        self.summary = render_mlx(summary_program(rec.ir, form, self.products), "summary")
+        self.form = rec.affine
+        self.products = rec.segment_summary.products
+        self.summary = render_mlx(rec.segment_summary.program, "summary")
         self.product_syms = {p.symbol: p for p in self.products}
         self.slot_index = {}  # the summary's stores, by (tensor, component) or (block, row, col)
         for i, (_, slot) in enumerate(self.summary.results):
@@ -138,13 +137,7 @@ class ChunkedForm(SequentialForm):
             outs, carry = self._segment(carry, block, sizes)
             buffers = [_write(b, y, start, L) for b, y in zip(buffers, outs)]
             carry = _after(carry, outs)
-        parts = {(slot.tensor, slot.component): b
-                 for (_, slot), b in zip(self.forward_chain.post.results, buffers)}
-        outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
-                                   reduce_missing=False).astype(out_dtype)
-                   for t in spec.outputs.values()]
-        residuals = [_concat([c[s] for c in checkpoints]) for s in table.states]
-        return outputs, self._declared(carry, table.states), residuals
+        return self._forward_results(buffers, checkpoints, carry, out_dtype)
 
     # -- backward ------------------------------------------------------------------------------
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,

@@ -313,6 +313,13 @@ class SequentialForm:
                                            *(block.values[k] for k in keys))
                 buffers = [_write(b, y, lo, L) for b, y in zip(buffers, res[:n_out])]
                 carry = _after(dict(zip(table.states, res[n_out:])), res[:n_out])
+        return self._forward_results(buffers, checkpoints, carry, out_dtype)
+
+    def _forward_results(self, buffers, checkpoints, carry, out_dtype):
+        """(outputs, final states, residuals) of a forward: the output buffers (time-major, in
+        the order of the forward's ``post`` stores) in their declared layouts, and the
+        checkpoints stacked per state."""
+        spec, table = self.rec.spec, self.table
         parts = {(slot.tensor, slot.component): b
                  for (_, slot), b in zip(self.forward_chain.post.results, buffers)}
         outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],

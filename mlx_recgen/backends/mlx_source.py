@@ -20,7 +20,7 @@ and ``.size``; dtypes may be ``mx.Dtype`` values or their names
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 __all__ = [
     "METAL_ATTRIBUTES",

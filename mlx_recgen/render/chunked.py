@@ -24,7 +24,6 @@ multiplier of block ``b`` is ``prod<b>`` with layout ``[segment, instance, entry
 
 from __future__ import annotations
 
-from ..affine import product_entries, summary_program
 from ..ir import prune
 from .kernels import KernelRenderer, StepWriter, environment
 from .names import program_symbols
@@ -36,7 +35,7 @@ class ChunkedRenderer(KernelRenderer):
     def __init__(self, rec, dialect, schedule, ids=None):
         super().__init__(rec, dialect, schedule, ids)
         self.form = rec.affine
-        self.products = product_entries(rec.ir, self.form)
+        self.products = rec.segment_summary.products
         for p in self.products:  # product registers are state-like: spelled as states are
             self.names.ids.add(("state", p.symbol), f"{p.symbol}_s")
 
@@ -75,7 +74,7 @@ class ChunkedRenderer(KernelRenderer):
     def summary(self):
         """Forward phase 1: local end state and composed multiplier of every segment."""
         spec, nm = self.spec, self.names
-        program = summary_program(self.rec.ir, self.form, self.products)
+        program = self.rec.segment_summary.program
         writer = StepWriter(self.rec, self.d, nm)
         regs = {s: nm[("state", sym)] for s, sym in spec.symbols.items() if s.tensor in spec.states}
         for p in self.products:
