@@ -273,6 +273,11 @@ def test_auto_schedule_choice():
     gla = rg.load_spec("gla")
     assert choose(gla, {"B": 3, "L": 2048, "H": 12, "K": 64, "V": 64}, "auto", None, "cuda") == \
         ("chunked", 16)
+    # 128 instances x 64 lanes x 64 state floats: one sequential step already fills the GPU
+    assert choose(gla, {"B": 8, "L": 4096, "H": 16, "K": 64, "V": 64}, "auto", None, "cuda")[0] \
+        == "sequential"
+    assert choose(gla, {"B": 8, "L": 4096, "H": 16, "K": 64, "V": 64}, "chunked", None,
+                  "cuda") == ("chunked", 16)
 
 
 # -- the chunked kernels on custom affine specs -----------------------------------------------
