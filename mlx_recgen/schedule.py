@@ -18,8 +18,8 @@ them (instances are folded into x, so no grid dimension limit caps the batch).
 
 Gradients reduced over lanes (of inputs without the lane axis) are summed in-kernel over the
 lanes of each threadgroup: ``simd_sum``, then threadgroup memory across simdgroups. When all
-lanes of an instance fit in one group (at most 1024), that is the whole sum; otherwise each group
-writes its partial sum along a leading axis of the gradient buffer and an MLX sum over that axis
+lanes of an instance fit in one group (at most 1024 threads; 256 on CUDA, see
+``Dialect.max_threads``), that is the whole sum; otherwise each group writes its partial sum along a leading axis of the gradient buffer and an MLX sum over that axis
 finishes it after the kernel (deterministic: no atomics). Threadgroup memory holds at most
 32 KiB of rows; beyond that the rows are reduced in rounds.
 
@@ -224,7 +224,9 @@ def mlx_chunk_length(spec: Spec, sizes: dict) -> int:
 
 
 def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
-                  kind: str = "sequential") -> Schedule:
+                  kind: str = "sequential", max_threads: int = MAX_THREADS) -> Schedule:
+    """The schedule of a call. ``max_threads`` caps the threads per group chosen when
+    ``threads`` is not given (the target's own limit, ``Dialect.max_threads``)."""
     lanes = sizes[spec.lane]
     padded = -(-lanes // 32) * 32
     reduce = needs_lane_reduction(spec)
@@ -234,10 +236,10 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
         tg = threads
     elif reduce:
         # as few groups as possible (each adds a partial sum), balanced to limit padding
-        groups = -(-padded // MAX_THREADS)
+        groups = -(-padded // max_threads)
         tg = -(-padded // groups // 32) * 32
     else:
-        tg = min(padded, 256)
+        tg = min(padded, 256, max_threads)
     groups = -(-padded // tg)
     ns = sizes[spec.state_axis] if spec.state_axis else 1
     # The chunked schedule launches a thread per segment, so a scratch buffer of one segment per

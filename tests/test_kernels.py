@@ -336,6 +336,7 @@ LARGE_REDUCTIONS = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", LARGE_REDUCTIONS, ids=lambda c: _ids(c[:3]) + f"-tg{c[3]}")
 def test_lane_reductions_across_groups_and_in_rounds(backend, case):
+    from mlx_recgen.render.dialects import DIALECTS
     from mlx_recgen.schedule import make_schedule
 
     spec, sizes, seg, threads, expect = case
@@ -344,6 +345,11 @@ def test_lane_reductions_across_groups_and_in_rounds(backend, case):
     sch = make_schedule(rec.spec, {axes[k]: v for k, v in sizes.items()}, seg, threads)
     for field, value in expect.items():
         assert getattr(sch, field) == value, field
+    # CUDA caps its own choice at 256 threads per group: more groups, each a partial sum
+    cuda = make_schedule(rec.spec, {axes[k]: v for k, v in sizes.items()}, seg, threads,
+                         max_threads=DIALECTS["cuda"].max_threads)
+    assert cuda.threads <= (threads or 256)
+    assert cuda.groups_per_instance >= sch.groups_per_instance
     inputs, h0 = INPUTS[spec](**sizes)
     call = dict(seg=seg) if threads is None else dict(seg=seg, threads=threads)
     first = _check_against_reference(rec, inputs, [h0], backend, **call)

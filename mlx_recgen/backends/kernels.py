@@ -158,7 +158,8 @@ class KernelBackend:
 
     # -- shapes ----------------------------------------------------------------------------------
     def _schedule(self, sizes, seg, threads, kind="sequential"):
-        return make_schedule(self.rec.spec, sizes, seg, threads, kind=kind)
+        return make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
+                             max_threads=self.dialect.max_threads)
 
     def _launch(self, sizes, schedule, outer=1):
         """(instances, grid, threadgroup): one thread per (instance, lane), times ``outer`` for

@@ -25,6 +25,8 @@ class Dialect:
     uint: str
     infinity: str  # a float constant expression for +inf (-inf prints as "-" + this)
     nan: str  # a float constant expression for a quiet NaN
+    # the largest threadgroup a schedule picks by itself (``threads=`` may ask for up to 1024)
+    max_threads: int = 1024
     math: dict = field(default_factory=dict)
     prelude: str = ""  # target-only helpers, placed in the header
 
@@ -74,6 +76,10 @@ CUDA = Dialect(
     uint="unsigned int",
     infinity="__int_as_float(0x7f800000)",  # NVRTC has no <math.h>: the bit patterns
     nan="__int_as_float(0x7fffffff)",
+    # A block must fit the SM's 64K registers: 1024 threads leave 64 per thread, which a kernel
+    # holding a large state exceeds ("too many resources requested for launch"); 256 threads
+    # launch at any count up to the 255-register maximum.
+    max_threads=256,
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
           "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus"},
