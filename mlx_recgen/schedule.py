@@ -38,8 +38,14 @@ from .spec import Spec
 
 MAX_THREADS = 1024
 REGISTER_HISTORY_FLOATS = 128  # per thread; beyond this the recomputed segment goes to scratch
-MAX_SHARED_BYTES = 32 * 1024  # threadgroup memory for lane reductions (Metal's guaranteed size)
+MAX_SHARED_BYTES = 32 * 1024  # threadgroup memory of a kernel (Metal's guaranteed size)
 MAX_SHARED_FLOATS = MAX_SHARED_BYTES // 4
+# Inputs every lane reads (no lane axis, one value per step, or a vector over the state axis)
+# are staged in threadgroup memory a tile of steps at a time: loaded once per group, coalesced,
+# all of a tile's loads in flight at once, instead of once per lane and step. Their share of
+# threadgroup memory, and the longest tile:
+STAGE_MAX_BYTES = 16 * 1024
+STAGE_MAX_STEPS = 32
 
 COMPONENT = None  # the key of a component axis among axis names (never a str)
 LANE_GROUPS = 0  # the key of the partial-sum axis of a lane-reduced gradient (never a str)
@@ -91,6 +97,8 @@ class Schedule:
     state_size: int  # NS (1 without a state axis)
     kind: str = "sequential"  # | "chunked"
     time_rounds: bool = False  # per-step lane reductions in rounds inside the state loop
+    stage_steps: int = 0  # TILE: steps of the lane-shared inputs staged at once (0: none)
+    stage_floats: int = 0  # floats of lane-shared inputs per step
 
     @property
     def simdgroups(self) -> int:
@@ -102,18 +110,42 @@ class Schedule:
         return self.lane_reduction and self.groups_per_instance > 1
 
     @property
+    def reduction_floats(self) -> int:
+        """Threadgroup memory left for lane reductions once the staged inputs have theirs."""
+        return MAX_SHARED_FLOATS - self.stage_steps * self.stage_floats
+
+    @property
     def shared_rows(self) -> int:
-        """Rows of the threadgroup reduction buffer that fit in ``MAX_SHARED_BYTES``."""
-        return MAX_SHARED_FLOATS // self.simdgroups
+        """Rows of the threadgroup reduction buffer (``reduction_floats``)."""
+        return self.reduction_floats // self.simdgroups
 
     def template(self):
-        return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads)]
+        return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads),
+                ("TILE", self.stage_steps)]
 
 
 def history_rows(spec: Spec, state_size: int) -> int:
     """Floats of state per thread and step: ``state_size`` per vector slot, 1 per scalar slot."""
     return sum(t.components * (state_size if t.has_state_axis else 1)
                for t in spec.states.values())
+
+
+def staged_floats(spec: Spec, state_size: int) -> int:
+    """Floats per step of the inputs staged in threadgroup memory: those with the time axis and
+    without the lane axis (``state_size`` per component with the state axis, else 1)."""
+    return sum(t.components * (state_size if t.has_state_axis else 1)
+               for t in spec.inputs.values() if t.has_time and not t.has_lane)
+
+
+def stage_steps(seg: int, floats: int) -> int:
+    """The tile: the longest power of two of steps, at most ``seg`` and ``STAGE_MAX_STEPS``,
+    whose staged inputs fit in ``STAGE_MAX_BYTES`` (0: nothing to stage, or not one step)."""
+    if floats == 0 or floats * 4 > STAGE_MAX_BYTES:
+        return 0
+    tile = 1
+    while tile * 2 <= min(seg, STAGE_MAX_STEPS) and tile * 2 * floats * 4 <= STAGE_MAX_BYTES:
+        tile *= 2
+    return tile
 
 
 def needs_lane_reduction(spec: Spec) -> bool:
@@ -246,8 +278,10 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
     # thread would hold the whole history: its recomputed segment stays in thread memory.
     history = ("registers" if kind == "chunked" or seg * history_rows(spec, ns) <= REGISTER_HISTORY_FLOATS
                else "scratch")
+    floats = staged_floats(spec, ns)
     sch = Schedule(seg=seg, threads=tg, groups_per_instance=groups, lane_reduction=reduce,
-                   history=history, state_size=ns, kind=kind)
+                   history=history, state_size=ns, kind=kind,
+                   stage_steps=stage_steps(seg, floats), stage_floats=floats)
     vector, scalar, _ = lane_reduced_rows(spec, ns)
     if vector * ns + scalar > sch.shared_rows:
         # a state loop's rows in rounds of shared_rows // vector iterations; scalars after it

@@ -18,8 +18,7 @@ import jinja2
 
 from ..ir import Accumulate, Assign, Loop, Program, Store, free_symbols
 from ..resources import templates_dir
-from ..schedule import (COMPONENT, LANE_GROUPS, LANES, MAX_SHARED_BYTES, MAX_SHARED_FLOATS,
-                        SEGMENTS, MetaLayout, Schedule, members)
+from ..schedule import COMPONENT, LANE_GROUPS, LANES, SEGMENTS, MetaLayout, Schedule, members
 from ..spec import Slot
 from .dialects import Dialect
 from .expr import CPrinter
@@ -77,12 +76,14 @@ class Names:
 class StepWriter:
     """C statements for one step program, with loads and store routing."""
 
-    def __init__(self, rec, dialect: Dialect, names: Names):
+    def __init__(self, rec, dialect: Dialect, names: Names, stage: bool = False):
         spec = rec.spec
         self.rec, self.dialect, self.ids = rec, dialect, names
         self.names = {}  # symbol -> the C expression of its value
         self.vector_inputs = {}
         self.scalar_loads = {}
+        # (``stage``) symbols read from the threadgroup stage: symbol -> (buffer, width)
+        self.staged = {}
         for slot, sym in spec.symbols.items():
             t = spec.tensors[slot.tensor]
             if t.kind == "state":
@@ -95,6 +96,8 @@ class StepWriter:
             guard = "lane_ok" if t.has_lane else None
             loads = self.vector_inputs if t.has_state_axis else self.scalar_loads
             loads[sym] = (f"{buf}[{base}{offset}]", guard)
+            if stage and t.has_time and not t.has_lane:
+                self.staged[sym] = (names[("stage", sym)], "NS" if t.has_state_axis else "1")
         adj = rec.adjoint
         for slot, sym in adj.state_cotangents.items():
             t = spec.states[slot.tensor]
@@ -111,7 +114,19 @@ class StepWriter:
         self.printer = CPrinter(self.names, self.dialect)
 
     # -- loads ---------------------------------------------------------------------------------
+    def stage_loads(self, programs) -> list:
+        """The staged symbols the programs read: (buffer, width, global source) each, for the
+        template's tile load (``t`` and ``n`` in scope there)."""
+        free = set().union(*(free_symbols(p.statements) for p in programs))
+        return [dict(buffer=self.staged[s][0], width=self.staged[s][1],
+                     source=(self.vector_inputs.get(s) or self.scalar_loads[s])[0])
+                for s in sorted(free, key=str) if s in self.staged]
+
     def _load(self, sym, source, guard, pad):
+        if sym in self.staged:  # step jt of the tile; element n
+            buffer, width = self.staged[sym]
+            return f"{pad}const float {self.names[sym]} = {buffer}[jt * {width} + n];" \
+                if width != "1" else f"{pad}const float {self.names[sym]} = {buffer}[jt];"
         value = f"static_cast<float>({source})"
         if guard:
             value = f"{guard} ? {value} : 0.0f"
@@ -266,7 +281,7 @@ class KernelRenderer:
         """The forward sweep: over all steps from the initial state, writing checkpoints and
         the final state, or (``segment_in_grid``) over one segment from its checkpoint."""
         spec, nm = self.spec, self.names
-        writer = StepWriter(self.rec, self.d, nm)
+        writer = StepWriter(self.rec, self.d, nm, stage=self.schedule.stage_steps > 0)
         commit_state = _commit_state(spec, nm)
 
         def route(store, value, in_loop, pad):
@@ -280,6 +295,7 @@ class KernelRenderer:
         prog = self.rec.forward_program
         ctx = self._common("forward")
         ctx.update(loads=writer.step_loads(prog, "    "), step=writer.program(prog, route, "    "),
+                   stage=writer.stage_loads([prog]),
                    segment_in_grid=segment_in_grid, outer="segment" if segment_in_grid else None)
         body = environment().get_template("forward.j2").render(**ctx)
         return body
@@ -295,7 +311,7 @@ class KernelRenderer:
         (``lambda_only``, a program with only ``λ`` stores) from a zero adjoint, writing the
         segment's local adjoint."""
         spec, d, nm = self.spec, self.d, self.names
-        writer = StepWriter(self.rec, d, nm)
+        writer = StepWriter(self.rec, d, nm, stage=self.schedule.stage_steps > 0)
         # gradients reduced over lanes, by (input tensor, component): per step, or once at the end
         time_rows, param_rows = {}, {}
         accumulators = []  # parameter gradients, summed over time in registers
@@ -408,7 +424,9 @@ class KernelRenderer:
                               f"{nm[('base', t.name)]}{''.join(extra)};")
         ctx = self._common("backward")
         state_symbols = {spec.symbols[s] for s in spec.state_slots()}
+        reads_state = bool(free_symbols(program.statements) & state_symbols)
         ctx.update(
+            stage=writer.stage_loads([recompute, program] if reads_state else [program]),
             recompute_loads=writer.step_loads(recompute, "      "),
             recompute=writer.program(recompute, _commit_state(spec, nm), "      "),
             loads=writer.step_loads(program, "      "),
@@ -417,12 +435,12 @@ class KernelRenderer:
             outer="segment" if segment_in_grid else None,
             # an adjoint that never reads the state (a state-affine update with outputs linear
             # in the state, swept for λ only) needs no recomputed segment
-            reads_state=bool(free_symbols(program.statements) & state_symbols),
+            reads_state=reads_state,
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
             time_count=rows(time_rows),
             param_count=rows(param_rows), loop_count=len(loop_rows),
-            max_shared_floats=MAX_SHARED_FLOATS, max_shared_bytes=MAX_SHARED_BYTES,
+            max_shared_floats=self.schedule.reduction_floats,
         )
         return environment().get_template("backward.j2").render(**ctx)
 

@@ -101,7 +101,8 @@ def kernel_identifiers(rec, meta) -> Identifiers:
     (``("size", axis)``, ``("stride", tensor, axis)``, ``("d_stride", tensor, axis)``);
     ``("idx", axis)``, ``("rest", axis)``, ``("member", group axis)``; ``(role, symbol)`` for symbols: ``sym`` (its value),
     ``value`` (an input or cotangent loaded this step), ``state`` (the state register),
-    ``acc`` (a parameter gradient's accumulator)."""
+    ``acc`` (a parameter gradient's accumulator), ``stage`` (a lane-shared input's tile of steps
+    in threadgroup memory)."""
     spec = rec.spec
     ids = Identifiers()
     for t in spec.inputs.values():
@@ -143,6 +144,8 @@ def kernel_identifiers(rec, meta) -> Identifiers:
         roles[sym] = ["state"] if t.kind == "state" else ["value"]
         if t.kind == "input" and not t.has_time:
             roles[sym].append("acc")
+        if t.kind == "input" and t.has_time and not t.has_lane:
+            roles[sym].append("stage")
     for sym in rec.adjoint.output_cotangents.values():
         roles[sym] = ["value"]
     symbols = (program_symbols(rec.forward_program) | program_symbols(rec.adjoint.program)
@@ -150,7 +153,7 @@ def kernel_identifiers(rec, meta) -> Identifiers:
     for sym in sorted(symbols, key=str):
         for role in roles.get(sym, ["sym"]):
             readable = {"sym": str(sym), "value": f"{sym}_v", "state": f"{sym}_s",
-                        "acc": f"acc_d{sym}"}[role]
+                        "acc": f"acc_d{sym}", "stage": f"{sym}_tile"}[role]
             ids.add((role, sym), readable)
     return ids
 
