@@ -99,6 +99,7 @@ class Schedule:
     time_rounds: bool = False  # per-step lane reductions in rounds inside the state loop
     stage_steps: int = 0  # TILE: steps of the lane-shared inputs staged at once (0: none)
     stage_floats: int = 0  # floats of lane-shared inputs per step
+    simd_partials: int = 1  # SP: partial sums per simdgroup of a lane reduction
 
     @property
     def simdgroups(self) -> int:
@@ -116,12 +117,13 @@ class Schedule:
 
     @property
     def shared_rows(self) -> int:
-        """Rows of the threadgroup reduction buffer (``reduction_floats``)."""
-        return self.reduction_floats // self.simdgroups
+        """Rows of the threadgroup reduction buffer (``reduction_floats``): a column per
+        simdgroup and partial sum, plus one of padding."""
+        return self.reduction_floats // (self.simdgroups * self.simd_partials + 1)
 
     def template(self):
         return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads),
-                ("TILE", self.stage_steps)]
+                ("TILE", self.stage_steps), ("SP", self.simd_partials)]
 
 
 def history_rows(spec: Spec, state_size: int) -> int:
@@ -289,8 +291,16 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
             raise ValueError(f"{spec.name}: {max(vector, scalar)} time-varying gradients reduced "
                              f"over lanes exceed the {sch.shared_rows} rows of threadgroup "
                              f"memory at {tg} threads per group; pass a smaller threads=")
-        sch = replace(sch, time_rounds=True)
-    return sch
+        return replace(sch, time_rounds=True)
+    # A lane reduction sums 32 lanes by 5 shuffle levels; stopping after fewer leaves
+    # ``simd_partials`` sums per simdgroup for the threadgroup stage to add up: per value,
+    # 5 - log2(SP) shuffles instead of 5, in the steps' critical path, for a few more
+    # threadgroup-memory reads by the (otherwise idle) threads of the final sum.
+    rows = vector * ns + scalar
+    partials = 1
+    while partials < 32 and rows * (sch.simdgroups * partials * 2 + 1) <= sch.reduction_floats:
+        partials *= 2
+    return replace(sch, simd_partials=partials)
 
 
 class MetaLayout:

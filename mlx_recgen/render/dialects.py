@@ -1,7 +1,7 @@
 """Per-target spellings for the kernel templates.
 
 The templates are written once; everything that differs between Metal and CUDA is a token in
-this table (thread ids, the simdgroup/warp sum, threadgroup memory, barriers, math names) or a
+this table (thread ids, the simdgroup/warp shuffle, threadgroup memory, barriers, math names) or a
 helper in ``prelude``. Nothing target-specific lives in the templates themselves.
 """
 
@@ -19,7 +19,7 @@ class Dialect:
     simd_group: str  # simdgroup / warp index inside the group
     shared: str  # qualifier of group-shared arrays
     barrier: str  # group-wide barrier on shared memory
-    simd_sum: str  # sum over the 32 threads of a simdgroup / warp
+    simd_shuffle_xor: str  # (value, lane mask): the value of lane ``simd_lane ^ mask``
     function: str  # qualifier of helper functions
     int64: str
     uint: str
@@ -46,7 +46,7 @@ METAL = Dialect(
     simd_group="simdgroup_index_in_threadgroup",
     shared="threadgroup",
     barrier="threadgroup_barrier(mem_flags::mem_threadgroup)",
-    simd_sum="simd_sum",
+    simd_shuffle_xor="simd_shuffle_xor",
     function="inline",
     int64="int64_t",
     uint="uint",
@@ -70,7 +70,7 @@ CUDA = Dialect(
     simd_group="(threadIdx.x >> 5)",
     shared="__shared__",
     barrier="__syncthreads()",
-    simd_sum="recgen_warp_sum",
+    simd_shuffle_xor="recgen_shuffle_xor",
     function="__device__ inline",
     int64="int64_t",
     uint="unsigned int",
@@ -85,11 +85,8 @@ CUDA = Dialect(
           "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus"},
     prelude="""\
 // Every lane of the warp takes part (full mask): padded lanes contribute zeros.
-__device__ inline float recgen_warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    x += __shfl_xor_sync(0xffffffffu, x, offset);
-  }
-  return x;
+__device__ inline float recgen_shuffle_xor(float x, int mask) {
+  return __shfl_xor_sync(0xffffffffu, x, mask);
 }
 __device__ inline float recgen_sign(float x) {
   return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);

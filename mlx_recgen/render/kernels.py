@@ -347,8 +347,8 @@ class KernelRenderer:
             else:
                 row = f"{time_rows[(t.name, c)].offset} + {n_idx}"
             return [f"{pad}{{",
-                    f"{pad}  const float lanes_sum = {d.simd_sum}(lane_ok ? {value} : 0.0f);",
-                    f"{pad}  if (simd_lane == 0) {{ red[({row}) * NSG + simd_group] = lanes_sum; }}",
+                    f"{pad}  const float lanes_sum = recgen_simd_partial(lane_ok ? {value} : 0.0f, SP);",
+                    f"{pad}  if (simd_lane < SP) {{ red[({row}) * RED_STRIDE + simd_group * SP + simd_lane] = lanes_sum; }}",
                     f"{pad}}}"], []
 
         def round_end(loop, pad):
@@ -363,7 +363,7 @@ class KernelRenderer:
                      f"{pad}  {d.barrier};",
                      f"{pad}  for (int row = int(tid); row < (n - first + 1) * {k}; row += TG) {{",
                      f"{pad}    float total = 0.0f;",
-                     f"{pad}    for (int sg = 0; sg < NSG; ++sg) {{ total += red[row * NSG + sg]; }}",
+                     f"{pad}    for (int col = 0; col < RED_COLS; ++col) {{ total += red[row * RED_STRIDE + col]; }}",
                      f"{pad}    const int n = first + row / {k};"]
             for i, target in enumerate(loop_rows.values()):
                 cond = f"if (row % {k} == {i}) " if i < k - 1 else ""
