@@ -360,6 +360,16 @@ def test_ssm_update_arguments(case, recurrence_calls):
     assert routing.routed["ssm_update"] == 1 and len(recurrence_calls) == 1
 
 
+def test_ssm_decode_step_with_mask_runs_under_compile(recurrence_calls):
+    """A decode step's mask needs no evaluation: routed under mx.compile too."""
+    step = {k: v[:, :1] if v.ndim > 1 else v for k, v in ssm_inputs().items()}
+    state, mask = normal(3, 4, 8, 16, seed=52), mx.array([[True], [False], [True]])
+    want, got, routing = both(lambda: mx.compile(
+        lambda m, s: ssm.ssm_update(**step, state=s, mask=m))(mask, state), "mlx")
+    assert_close(got, want)
+    assert routing.routed["ssm_update"] == 1 and len(recurrence_calls) == 1
+
+
 def gated_delta_inputs(B=2, T=13, Hk=2, Hv=4, Dk=16, Dv=8, vector_gate=False, seed=0):
     gate = (B, T, Hv, Dk) if vector_gate else (B, T, Hv)
     return dict(q=normal(B, T, Hk, Dk, seed=seed, scale=0.25),

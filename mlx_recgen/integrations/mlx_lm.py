@@ -257,8 +257,11 @@ def _padded_after_unpadded(mask, lengths, has_state: bool) -> bool:
     before position ``lengths``; nothing of the block's inputs if row r is padded; and the
     block's initial state where ``lengths`` < 0. The two agree when each block has no unpadded
     step or has row r unpadded and none after it, and, where the state is held, has none at all.
-    Evaluates the mask (once per call)."""
+    Evaluates the mask (once per call), except for one step without ``lengths`` (a decode
+    step), where the two always agree."""
     b, L = mask.shape
+    if L == 1 and lengths is None:
+        return False
     blocks = -(-L // SSM_BLOCK)
     steps = mx.pad(mask, [(0, 0), (0, blocks * SSM_BLOCK - L)]).reshape(b, blocks, SSM_BLOCK)
     pos = mx.arange(SSM_BLOCK)
