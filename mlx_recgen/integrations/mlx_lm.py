@@ -1,0 +1,518 @@
+"""mlx-lm's recurrent models on mlx-recgen recurrences.
+
+mlx-lm computes the recurrences of its state-space and linear-attention layers in three helpers:
+
+* ``mlx_lm.models.ssm.ssm_update``: Mamba-2's SSD (mamba2, falcon_h1, nemotron_h,
+  granitemoehybrid, plamo2);
+* ``mlx_lm.models.gated_delta.gated_delta_update``: the gated delta rule (qwen3_next, qwen3_5,
+  kimi_linear, kimi_k3, olmo_hybrid, bailing_moe_v3);
+* ``mlx_lm.models.recurrent_gemma.rnn_scan``: RG-LRU's linear scan (recurrent_gemma).
+
+Wherever a gradient is taken (mlx-lm's Metal kernels have none) and off Apple silicon, mlx-lm runs
+them as MLX ops: the SSD as a blockwise quadratic form, the other two as a Python loop over time.
+``patch()`` routes all three through recurrences compiled by mlx-recgen (fused forward and
+backward; ``backend=`` and ``schedule=`` as for any recurrence, except that the delta rule, not
+state-affine, runs sequentially under ``schedule="chunked"``)::
+
+    from mlx_recgen.integrations.mlx_lm import patch
+
+    with patch():                    # or: handle = patch(); ...; handle.undo()
+        loss, grads = loss_and_grad(model, inputs, targets)
+
+``python -m mlx_recgen.integrations.mlx_lm lora ARGS`` runs ``mlx_lm lora ARGS`` (fine-tuning)
+with the patch in place; any other mlx-lm command works the same way.
+
+Where the helpers are rebound: in the modules that define them, so that a model module imported
+while the patch is active binds the routed version, and in every loaded ``mlx_lm`` module that
+holds the original under any name (model modules import them by name: ``from .ssm import
+ssm_update``). ``undo()`` puts the originals back wherever a routed version is bound, in modules
+imported meanwhile too. A reference kept elsewhere (an attribute of an object, a
+``functools.partial``) is not seen. One patch at a time: ``patch()`` raises ``RuntimeError`` while
+another is active.
+
+What is reproduced: the originals of mlx-lm 0.32.2 and later, in the form mlx-lm would run on the
+current device (its Metal kernels on a Metal GPU, else its MLX ops; they differ where noted): the
+same arguments, outputs of the same dtypes and layouts, states in the dtype the original returns,
+and the same values up to floating-point rounding (the recurrence accumulates in fp32). The decay
+and step-size preprocessing (``A_log``, ``dt_bias``, ``time_step_limit`` with infinite bounds,
+``lower_bound``, ``allow_neg_eigval``) is done with MLX ops before the recurrence, as mlx-lm does.
+
+* ``ssm_update``: groups of heads (``n_groups``) through the spec's group axis; the D skip added
+  after the scan, in the dtype mlx-lm adds it in; bool padding masks (masked steps hold the state)
+  and ``lengths``. mlx-lm's MLX form runs blocks of 256 steps and its state hand-off between
+  blocks and its outputs at padded steps depend on those blocks: the routed form evaluates the
+  mask once per call to check that a recurrence reproduces the hand-off (true of the masks
+  mlx-lm's caches build, left padding and ``lengths``), and recomputes the outputs at padded
+  steps that follow unpadded ones blockwise, as mlx-lm does. Its single-step Metal kernel (one
+  step with a state, on a Metal GPU) ignores the mask and ``lengths``, and so does the routed
+  form there.
+* ``gated_delta_update``: fewer key than value heads through the group axis; scalar and
+  per-channel gates; bool masks (masked steps hold the state). At a masked step mlx-lm's MLX ops
+  output the query read of the updated-then-discarded state and its Metal kernels output zero:
+  the routed form does what the original would.
+* ``rnn_scan``: with or without ``h0``, one step or many.
+
+Falls back to the original (counted in ``Patch.fallbacks`` with the reason) for: arrays outside
+the layouts above, or empty; a non-bool mask; ``ssm_update`` with ``lengths`` but no mask, with a
+mask whose blocks mlx-lm hands on differently from a recurrence (a padded tail without
+``lengths``, as nemotron_h's right-padded prefill passes it; ``lengths`` beyond a short last
+block; a mask that contradicts ``lengths``), or with a mask under ``mx.compile`` or ``mx.vmap``
+(its values decide the form); ``gated_delta_update`` with value heads that are not a multiple of
+the key heads; ``rnn_scan`` with a gate of another shape or dtype than ``x`` (the original's
+assertions then raise as before). The original then answers: never a different result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import inspect
+import sys
+from collections import Counter
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mlx_recgen as rg
+from mlx_recgen import Sum, exp, where
+from mlx_recgen.function import BACKENDS
+from mlx_recgen.schedule import SCHEDULES
+
+MIN_MLX_LM = (0, 32, 2)  # from this release on, ssm_attn masks the decay of padded steps
+SSM_BLOCK = 256  # ssm_attn's block of steps: its state hand-off happens at these boundaries
+
+__all__ = ["patch", "Patch", "main"]
+
+
+# -- the recurrences ---------------------------------------------------------------------------
+
+
+@functools.cache
+def ssd(masked: bool) -> rg.Recurrence:
+    """Mamba-2's SSD scan in mlx-lm's layout, without the D skip (added after rounding)::
+
+        h[p, n] <- exp(dt A) h[p, n] + dt B[n] x[p]      (held where mask is false)
+        y[p]     = sum_n C[n] h[p, n]
+
+    x [b, L, H, P]; dt [b, L, H], after softplus and clipping; A [H]; B, C [b, L, G, N] for G
+    groups of heads; mask [b, L] bool; state [b, H, P, N]."""
+    inputs = {"x": "B L H P", "dt": "B L H", "A": "H", "B": "B L G N", "C": "B L G N"}
+    declared = dict(lane="P", state={"h": "B H P N"}, outputs={"y": "B L H P"}, groups={"G": "H"})
+    if masked:
+        @rg.recurrence(inputs={**inputs, "mask": "B L"}, **declared)
+        def mlx_lm_ssd_masked(h, x, dt, A, B, C, mask, n):
+            h[n] = where(mask, exp(dt * A) * h[n] + dt * B[n] * x, h[n])
+            return {"y": Sum(C[n] * h[n], n)}
+
+        return mlx_lm_ssd_masked
+
+    @rg.recurrence(inputs=inputs, **declared)
+    def mlx_lm_ssd(h, x, dt, A, B, C, n):
+        h[n] = exp(dt * A) * h[n] + dt * B[n] * x
+        return {"y": Sum(C[n] * h[n], n)}
+
+    return mlx_lm_ssd
+
+
+def _delta_rule(S, q, k, v, decay, beta, i):
+    """The gated delta step on one value channel: the updated state and the query's read."""
+    decayed = decay * S[i]
+    updated = decayed + beta * (v - Sum(k[i] * decayed, i)) * k[i]
+    return updated, Sum(q[i] * updated, i)
+
+
+@functools.cache
+def gated_delta(vector_gate: bool, masked: bool) -> rg.Recurrence:
+    """The gated delta rule in mlx-lm's layout (state [b, H, Dv, Dk]: value channels first)::
+
+        S <- g S;   S <- S + beta k (v - S^T k)^T      (held where mask is false)
+        y  = S^T q                                      (the updated S, even where it is held)
+
+    q, k [b, L, Hk, Dk] for Hk groups of value heads; v [b, L, H, Dv]; g (the decay) [b, L, H],
+    or [b, L, H, Dk] per key channel; beta [b, L, H]; mask [b, L] bool."""
+    inputs = {"q": "B L Hk K", "k": "B L Hk K", "v": "B L H V",
+              "g": "B L H K" if vector_gate else "B L H", "beta": "B L H"}
+    declared = dict(lane="V", state={"S": "B H V K"}, outputs={"y": "B L H V"},
+                    groups={"Hk": "H"})
+    name = "mlx_lm_gated_delta" + ("_vector_gate" if vector_gate else "") + (
+        "_masked" if masked else "")
+    if masked:
+        def body(S, q, k, v, g, beta, mask, i):
+            updated, y = _delta_rule(S, q, k, v, g[i] if vector_gate else g, beta, i)
+            S[i] = where(mask, updated, S[i])
+            return {"y": y}
+
+        return rg.recurrence(inputs={**inputs, "mask": "B L"}, name=name, **declared)(body)
+
+    def body(S, q, k, v, g, beta, i):
+        S[i], y = _delta_rule(S, q, k, v, g[i] if vector_gate else g, beta, i)
+        return {"y": y}
+
+    return rg.recurrence(inputs=inputs, name=name, **declared)(body)
+
+
+def rglru() -> rg.Recurrence:
+    """RG-LRU's scan ``h <- a h + x; y = h`` (the bundled ``rglru`` spec)."""
+    return rg.load_spec("rglru")
+
+
+# -- preprocessing, as mlx-lm does it (compiled alike, so that it rounds alike) ----------------
+
+
+@mx.compile
+def _ssm_step_size(dt, dt_bias, time_step_limit):
+    return mx.clip(nn.softplus(dt.astype(mx.float32) + dt_bias), *time_step_limit)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _decay(A_log, a, dt_bias):
+    return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _bounded_decay(A_log, a, dt_bias, lower_bound):
+    rate = mx.exp(A_log.astype(mx.float32)) * (a.astype(mx.float32) + dt_bias)
+    return mx.exp(lower_bound * mx.sigmoid(rate))
+
+
+def _run(rec, options, *args, **kwargs):
+    """``rec(*args, **kwargs)`` with the patch's backend and schedule, returning the final state
+    too. A request for the chunked schedule runs a recurrence that is not state-affine (the delta
+    rule) sequentially."""
+    schedule = options["schedule"]
+    if schedule == "chunked" and not rec.time_parallel:
+        schedule = "sequential"
+    return rec(*args, backend=options["backend"], schedule=schedule, return_state=True, **kwargs)
+
+
+def _on_metal() -> bool:
+    """Whether mlx-lm would run its own Metal kernels (where their conditions hold)."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+# -- the routed helpers ------------------------------------------------------------------------
+
+
+class _Unsupported(Exception):
+    """Arguments the routed form does not reproduce; the original runs instead."""
+
+
+def _require(condition, reason: str):
+    if not condition:
+        raise _Unsupported(reason)
+
+
+def _is_array(x, kind=mx.floating, ndim=None) -> bool:
+    return (isinstance(x, mx.array) and mx.issubdtype(x.dtype, kind) and x.size > 0
+            and (ndim is None or x.ndim == ndim))
+
+
+def _ssm_update(options, hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit,
+                mask, lengths):
+    x = hidden_states
+    _require(all(_is_array(t, ndim=4) for t in (x, B, C)), "x, B, C are not [b, L, ., .] floats")
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    _require(B.shape == C.shape and B.shape[:2] == (b, L) and H % G == 0,
+             "B, C are not [b, L, G, N] with G dividing the heads")
+    _require(all(_is_array(t) for t in (A_log, D, dt, dt_bias)) and A_log.size == H
+             and D.size == H, "A_log, D, dt, dt_bias are not float arrays with a value per head")
+    _require(state is None or (_is_array(state) and state.shape == (b, H, P, N)),
+             "state is not [b, H, P, N]")
+    dt = _ssm_step_size(dt, dt_bias, (time_step_limit[0], time_step_limit[1]))
+    _require(dt.shape == (b, L, H), "dt + dt_bias is not [b, L, H]")
+    if L == 1 and state is not None and _on_metal():
+        # mlx-lm's single-step kernel: no mask, no lengths; D added before rounding
+        A = -mx.exp(A_log.reshape(H).astype(mx.float32))
+        y, h = _run(ssd(False), options, x, dt, A, B, C, initial_state=state)
+        y = y + x.astype(mx.float32) * D.reshape(1, 1, H, 1).astype(mx.float32)
+        return y.astype(x.dtype), h.astype(state.dtype)
+
+    A = -mx.exp(A_log.reshape(H)).astype(dt.dtype)  # exp in A_log's dtype, as ssm_attn
+    if mask is None:
+        _require(lengths is None, "lengths without a mask")
+        y, h = _run(ssd(False), options, x, dt, A, B, C, initial_state=state)
+    else:
+        _require(_is_array(mask, mx.bool_) and mask.shape == (b, L), "mask is not [b, L] bool")
+        _require(lengths is None
+                 or (_is_array(lengths, mx.signedinteger) and lengths.shape == (b,)),
+                 "lengths is not [b] integers")
+        if _padded_after_unpadded(mask, lengths, state is not None):
+            y, h = _ssd_blockwise(options, x, dt, A, B, C, state, mask)
+        else:
+            y, h = _run(ssd(True), options, x, dt, A, B, C, mask, initial_state=state)
+    return y.astype(x.dtype) + x * D.reshape(1, 1, H, 1), h
+
+
+_HANDED_ON_OTHERWISE = "a mask whose blocks ssm_attn hands on otherwise than a recurrence"
+
+
+def _padded_after_unpadded(mask, lengths, has_state: bool) -> bool:
+    """Whether some padded step follows an unpadded one in a block of ``SSM_BLOCK`` steps;
+    ``_Unsupported`` unless the state a recurrence hands on (the state after the block's last
+    step, held at padded steps) is the one ssm_attn hands on.
+
+    ssm_attn hands on the state at one row r of each block: its last, or with ``lengths`` the one
+    before position ``lengths``; nothing of the block's inputs if row r is padded; and the
+    block's initial state where ``lengths`` < 0. The two agree when each block has no unpadded
+    step or has row r unpadded and none after it, and, where the state is held, has none at all.
+    Evaluates the mask (once per call), except for one step without ``lengths`` (a decode
+    step), where the two always agree."""
+    b, L = mask.shape
+    if L == 1 and lengths is None:
+        return False
+    blocks = -(-L // SSM_BLOCK)
+    steps = mx.pad(mask, [(0, 0), (0, blocks * SSM_BLOCK - L)]).reshape(b, blocks, SSM_BLOCK)
+    pos = mx.arange(SSM_BLOCK)
+    block = mx.arange(blocks)
+    block_len = mx.minimum(L - SSM_BLOCK * block, SSM_BLOCK)
+    if lengths is None:
+        row, held = mx.broadcast_to(block_len - 1, (b, blocks)), mx.zeros((b, blocks), mx.bool_)
+    else:
+        remaining = lengths[:, None] - SSM_BLOCK * block
+        row = mx.maximum(mx.minimum(remaining, SSM_BLOCK) - 1, 0)
+        held = (remaining < 0) & ((block > 0) | has_state)
+    unpadded = steps.any(axis=-1)
+    at_row = mx.take_along_axis(steps, row[..., None], axis=-1)[..., 0]
+    after_row = (steps & (pos > row[..., None])).any(axis=-1)
+    agree = (mx.where(held, ~unpadded, ~unpadded | (at_row & ~after_row))
+             & (row < block_len)).all()
+    seen = mx.cumsum(steps.astype(mx.int32), axis=-1) > 0
+    late_padding = (~steps & seen & (pos < block_len[:, None])).any()
+    try:
+        agree, late_padding = mx.stack([agree, late_padding]).tolist()
+    except ValueError as exc:  # inside mx.compile or mx.vmap nothing may be evaluated
+        raise _Unsupported("a mask under a function transformation") from exc
+    _require(agree, _HANDED_ON_OTHERWISE)
+    return late_padding
+
+
+def _ssd_blockwise(options, x, dt, A, B, C, state, mask):
+    """The masked scan one block of ``SSM_BLOCK`` steps at a time, with ssm_attn's outputs at
+    padded steps: C times the block's initial state, decayed over the block so far."""
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    h = mx.zeros((b, H, P, N), mx.float32) if state is None else state
+    ys = []
+    for start in range(0, L, SSM_BLOCK):
+        block = slice(start, start + SSM_BLOCK)
+        m = mask[:, block]
+        y, h_next = _run(ssd(True), options, x[:, block], dt[:, block], A, B[:, block],
+                         C[:, block], m, initial_state=h)
+        decay = mx.exp(mx.cumsum(dt[:, block] * A * m[..., None], axis=1))
+        carried = mx.einsum("bsgn,bgrpn->bsgrp", C[:, block], h.reshape(b, G, H // G, P, N))
+        carried = decay[..., None] * carried.reshape(b, -1, H, P)
+        ys.append(mx.where(m[..., None, None], y, carried))
+        h = h_next
+    return mx.concatenate(ys, axis=1), h
+
+
+def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel,
+                        lower_bound, allow_neg_eigval):
+    _require(all(_is_array(t, ndim=4) for t in (q, k, v)) and q.shape == k.shape
+             and v.shape[:2] == k.shape[:2], "q, k, v are not [B, T, ., .] floats")
+    batch, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    _require(Hv % Hk == 0, "value heads are not a multiple of the key heads")
+    _require(all(_is_array(t) for t in (a, b, A_log, dt_bias)),
+             "a, b, A_log, dt_bias are not float arrays")
+    beta = mx.sigmoid(b)
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    if lower_bound is None:
+        g = _decay(A_log, a, dt_bias)
+    else:
+        g = _bounded_decay(A_log, a, dt_bias, lower_bound)
+    _require(beta.shape == (batch, T, Hv), "b is not [B, T, Hv]")
+    _require(g.shape in ((batch, T, Hv), (batch, T, Hv, Dk)), "the gate is not [B, T, Hv(, Dk)]")
+    _require(state is None or (_is_array(state) and state.shape == (batch, Hv, Dv, Dk)),
+             "state is not [B, Hv, Dv, Dk]")
+    _require(mask is None or (_is_array(mask, mx.bool_) and mask.shape == (batch, T)),
+             "mask is not [B, T] bool")
+    kernel = bool(use_kernel) and _on_metal() and Dk % 32 == 0
+    rec = gated_delta(vector_gate=g.ndim == 4, masked=mask is not None)
+    masks = () if mask is None else (mask,)
+    y, S = _run(rec, options, q, k, v, g, beta, *masks, initial_state=state)
+    if kernel and mask is not None:  # the kernel writes zeros at masked steps
+        y = mx.where(mask[..., None, None], y, 0)
+    # the kernel keeps the state's dtype; the MLX ops promote it with the fp32 decay
+    state_dtype = state.dtype if kernel and state is not None else mx.float32
+    return y.astype(q.dtype), S.astype(state_dtype)
+
+
+def _rnn_scan(options, x, a, h0):
+    # the original asserts a.shape == x.shape[-a.ndim:], but its loop indexes a[:, t]: only a
+    # gate of x's shape means the same in both of its modes
+    _require(_is_array(x, ndim=3) and isinstance(a, mx.array) and a.shape == x.shape
+             and a.dtype == x.dtype, "a is not of x's shape and dtype")
+    batch, L, D = x.shape
+    _require(h0 is None or (_is_array(h0) and h0.shape == (batch, D)), "h0 is not [B, D]")
+    y, h = _run(rglru(), options, a, x, initial_state=h0)
+    if h0 is None:
+        return y.astype(x.dtype), h.astype(x.dtype)
+    carried = mx.result_type(a, h0, x)  # the dtype the original's loop carries the state in
+    return y.astype(x.dtype if L > 1 else carried), h.astype(carried)
+
+
+# (defining module, helper, its parameters as the routed form reproduces them, the routed form)
+HELPERS = (
+    ("mlx_lm.models.ssm", "ssm_update",
+     ("hidden_states", "A_log", "B", "C", "D", "dt", "dt_bias", "state", "time_step_limit",
+      "mask", "lengths"), _ssm_update),
+    ("mlx_lm.models.gated_delta", "gated_delta_update",
+     ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask", "use_kernel", "lower_bound",
+      "allow_neg_eigval"), _gated_delta_update),
+    ("mlx_lm.models.recurrent_gemma", "rnn_scan", ("x", "a", "h0"), _rnn_scan),
+)
+
+
+# -- patching ----------------------------------------------------------------------------------
+
+
+class Patch:
+    """mlx-lm's recurrence helpers routed through mlx-recgen; made by ``patch()``.
+
+    ``routed`` counts, per helper, the calls run as recurrences; ``fallbacks`` counts the calls
+    handed to mlx-lm's original, by ``(helper, reason)``. ``undo()`` (also ``close()``, or the
+    end of a ``with`` block) restores mlx-lm exactly; a second ``undo()`` does nothing."""
+
+    def __init__(self, backend: str, schedule: str):
+        self.options = {"backend": backend, "schedule": schedule}
+        self.routed = Counter()
+        self.fallbacks = Counter()
+        self._routes = {}  # id(original) -> (original, routed)
+        self.active = False
+
+    def __repr__(self):
+        state = "active" if self.active else "undone"
+        return (f"<mlx-lm patch ({state}) backend={self.options['backend']!r} "
+                f"schedule={self.options['schedule']!r}: routed {dict(self.routed)}, "
+                f"fell back {sum(self.fallbacks.values())}>")
+
+    def _route(self, name, original, implementation):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def routed(*args, **kwargs):
+            if not self.active:  # a reference kept past undo(): mlx-lm's own again
+                return original(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return original(*args, **kwargs)  # raises as the original does
+            bound.apply_defaults()
+            try:
+                result = implementation(self.options, **bound.arguments)
+            except _Unsupported as exc:
+                self.fallbacks[(name, str(exc))] += 1
+                return original(*args, **kwargs)
+            self.routed[name] += 1
+            return result
+
+        routed.__mlx_recgen_patch__ = self
+        return routed
+
+    def _install(self):
+        for module_name, name, parameters, implementation in HELPERS:
+            original = getattr(importlib.import_module(module_name), name)
+            if hasattr(original, "__mlx_recgen_patch__"):
+                raise RuntimeError(f"{module_name}.{name} is already routed by another patch; "
+                                   "undo that one first")
+            found = tuple(inspect.signature(original).parameters)
+            if found != parameters:
+                raise RuntimeError(f"{module_name}.{name} takes {found}; this integration "
+                                   f"reproduces the one that takes {parameters}")
+            self._routes[id(original)] = (original, self._route(name, original, implementation))
+        _rebind({key: routed for key, (_, routed) in self._routes.items()})
+        self.active = True
+
+    def undo(self):
+        """Put mlx-lm's originals back wherever a routed helper of this patch is bound."""
+        global _active
+        if not self.active:
+            return
+        _rebind({id(routed): original for original, routed in self._routes.values()})
+        self.active = False
+        if _active is self:
+            _active = None
+
+    close = undo
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+        return False
+
+
+def _rebind(replacements: dict):
+    """In every loaded ``mlx_lm`` module, replace each attribute whose ``id`` is a key."""
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "mlx_lm" or module_name.startswith("mlx_lm.")):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if id(value) in replacements:
+                setattr(module, attribute, replacements[id(value)])
+
+
+_active: Patch | None = None
+
+
+def patch(backend: str = "auto", schedule: str = "auto") -> Patch:
+    """Route mlx-lm's ``ssm_update``, ``gated_delta_update`` and ``rnn_scan`` through mlx-recgen
+    recurrences run with this ``backend`` and ``schedule`` (see ``Recurrence.__call__``).
+
+    Returns the ``Patch``: a context manager, or call its ``undo()``. Raises ``ValueError`` for an
+    unknown backend or schedule, ``ImportError`` without mlx-lm (or one older than 0.32.2), and
+    ``RuntimeError`` while another patch is active or where mlx-lm's helpers take other
+    parameters than the ones reproduced here."""
+    global _active
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if _active is not None:
+        raise RuntimeError(f"mlx-lm is already patched ({_active!r}); undo that patch first")
+    import mlx_lm
+
+    version = tuple(int(p) for p in mlx_lm.__version__.split(".")[:3] if p.isdigit())
+    if version < MIN_MLX_LM:
+        raise ImportError(f"mlx-lm {mlx_lm.__version__} is installed; the integration reproduces "
+                          f"mlx-lm >= {'.'.join(map(str, MIN_MLX_LM))}")
+    handle = Patch(backend, schedule)
+    handle._install()
+    _active = handle
+    return handle
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    """``python -m mlx_recgen.integrations.mlx_lm [--backend B] [--schedule S] COMMAND ARGS``:
+    mlx-lm's command (``lora``, ``generate``, ...) with its arguments, under ``patch()``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_recgen.integrations.mlx_lm",
+        description="Run an mlx-lm command (lora, generate, ...) with mlx-lm's recurrences "
+                    "routed through mlx-recgen.")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="the recurrences' backend (default: auto)")
+    parser.add_argument("--schedule", default="auto", choices=SCHEDULES,
+                        help="the recurrences' schedule (default: auto)")
+    parser.add_argument("command", help="an mlx-lm command, e.g. lora")
+    parser.add_argument("arguments", nargs=argparse.REMAINDER, help="its arguments")
+    args = parser.parse_args(argv)
+    from mlx_lm import cli
+
+    saved, sys.argv = sys.argv, ["mlx_lm", args.command, *args.arguments]
+    try:
+        with patch(args.backend, args.schedule):
+            cli.main()
+    finally:
+        sys.argv = saved
+
+
+if __name__ == "__main__":
+    main()
