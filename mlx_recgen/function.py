@@ -394,7 +394,7 @@ class Recurrence:
             # The chunked residuals (checkpoints, segment products) are read only by the kernel
             # backward, whose own derivatives raise: their tangents are never observed.
             d_res = [mx.zeros(shape) for shape in backend.residual_shapes(
-                sizes, seg, options.get("threads"))]
+                sizes, seg, options.get("threads"), options.get("split"))]
         else:
             checkpoints = results[2 * n_out + 2 * n_state:]
             d_res = checkpoints[len(checkpoints) // 2:]
@@ -420,14 +420,15 @@ class Recurrence:
         one, or its twin without gradients for bool and integer inputs —, backend implementation,
         seg, sizes, output dtype, kernel options, inputs, initial states)``."""
         kwargs = dict(kwargs)
-        options = {k: kwargs.pop(k) for k in ("threads",) if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("threads", "split") if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
         if seg is not None:
             seg = positive_int(f"{self.name}()", "seg", seg)
         rec = self._for_dtypes([x.dtype for x in inputs])
         impl = rec._backend(backend)
         if options and impl.name == "mlx":
-            raise ValueError(f"{self.name}(): threads= applies to the kernel backends, not 'mlx'")
+            raise ValueError(f"{self.name}(): {'= and '.join(options)}= applies to the kernel "
+                             "backends, not 'mlx'")
         kind, seg = choose_schedule(rec, sizes, schedule, seg, impl.name)
         options["schedule"] = kind
         return rec, impl, seg, sizes, out_dtype, options, inputs, states

@@ -64,6 +64,12 @@ SEQUENTIAL_SEG = 32
 # The chunked schedule wants enough (segment, instance, lane) threads to fill a large GPU, and
 # segments short enough that a thread's recomputed segment stays in thread-private memory.
 CHUNKED_TARGET_THREADS = 1 << 17
+# The sequential schedule splits a lane's state over up to SPLIT_MAX threads while instances x
+# lanes give fewer than SPLIT_TARGET_THREADS threads, keeping at least SPLIT_MIN_STATE state
+# elements per thread.
+SPLIT_TARGET_THREADS = 1 << 15
+SPLIT_MAX = 8
+SPLIT_MIN_STATE = 4
 CHUNKED_HISTORY_FLOATS = 1024
 CHUNKED_MIN_SEG = 8
 # Where one sequential step already has this much state to update (instances x padded lanes x
@@ -100,6 +106,7 @@ class Schedule:
     stage_steps: int = 0  # TILE: steps of the lane-shared inputs staged at once (0: none)
     stage_floats: int = 0  # floats of lane-shared inputs per step
     simd_partials: int = 1  # SP: partial sums per simdgroup of a lane reduction
+    parts: int = 1  # PARTS: threads per lane, each holding NS / PARTS of the state (split)
 
     @property
     def simdgroups(self) -> int:
@@ -123,7 +130,7 @@ class Schedule:
 
     def template(self):
         return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads),
-                ("TILE", self.stage_steps), ("SP", self.simd_partials)]
+                ("TILE", self.stage_steps), ("SP", self.simd_partials), ("PARTS", self.parts)]
 
 
 def history_rows(spec: Spec, state_size: int) -> int:
@@ -257,12 +264,58 @@ def mlx_chunk_length(spec: Spec, sizes: dict) -> int:
     return seg
 
 
+def state_split(spec: Spec, sizes: dict, kind: str, split=None) -> int:
+    """Threads per lane (``PARTS``) of the sequential schedule: each holds ``NS / PARTS`` of
+    the lane's state, and a sum over the state axis becomes a partial sum per thread plus
+    ``log2(PARTS)`` shuffles. Chosen (``split=None``) where instances x lanes are too few to
+    fill the GPU (``SPLIT_TARGET_THREADS``): the smallest power of two that reaches it, at most
+    ``SPLIT_MAX`` and dividing ``NS``. ``split=`` forces it (1: no split)."""
+    ns = sizes[spec.state_axis] if spec.state_axis else 1
+    if split is not None:
+        if kind != "sequential" and split != 1:
+            raise ValueError("split= applies to the sequential schedule's kernels")
+        if not isinstance(split, int) or split < 1 or split > 32 or split & (split - 1) \
+                or ns % split:
+            raise ValueError(f"split must be a power of two up to 32 dividing the state size "
+                             f"{ns}, got {split!r}")
+        return split
+    if kind != "sequential" or ns == 1:
+        return 1
+    threads = -(-sizes[spec.lane] // 32) * 32
+    for b in spec.batch_axes:
+        threads *= sizes[b]
+    parts = 1
+    while (threads * parts < SPLIT_TARGET_THREADS and parts < SPLIT_MAX
+           and ns % (parts * 2) == 0 and ns // (parts * 2) >= SPLIT_MIN_STATE):
+        parts *= 2
+    return parts
+
+
+class _SplitMisfit(Exception):
+    """A split state whose lane reductions do not fit in threadgroup memory."""
+
+
 def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
-                  kind: str = "sequential", max_threads: int = MAX_THREADS) -> Schedule:
+                  kind: str = "sequential", max_threads: int = MAX_THREADS,
+                  split: int | None = None) -> Schedule:
     """The schedule of a call. ``max_threads`` caps the threads per group chosen when
-    ``threads`` is not given (the target's own limit, ``Dialect.max_threads``)."""
+    ``threads`` is not given (the target's own limit, ``Dialect.max_threads``); ``split``
+    overrides ``state_split``, whose choice is otherwise halved until the lane reductions fit
+    in threadgroup memory."""
+    parts = state_split(spec, sizes, kind, split)
+    while True:
+        try:
+            return _make_schedule(spec, sizes, seg, threads, kind, max_threads, parts)
+        except _SplitMisfit as misfit:
+            if split is not None:
+                raise ValueError(f"{spec.name}: split={split} {misfit}; pass a smaller "
+                                 "split=") from None
+            parts //= 2
+
+
+def _make_schedule(spec, sizes, seg, threads, kind, max_threads, parts) -> Schedule:
     lanes = sizes[spec.lane]
-    padded = -(-lanes // 32) * 32
+    padded = -(-lanes // 32) * 32 * parts  # threads of an instance's lanes
     reduce = needs_lane_reduction(spec)
     if threads is not None:
         if not isinstance(threads, int) or threads < 32 or threads % 32 or threads > MAX_THREADS:
@@ -278,12 +331,12 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
     ns = sizes[spec.state_axis] if spec.state_axis else 1
     # The chunked schedule launches a thread per segment, so a scratch buffer of one segment per
     # thread would hold the whole history: its recomputed segment stays in thread memory.
-    history = ("registers" if kind == "chunked" or seg * history_rows(spec, ns) <= REGISTER_HISTORY_FLOATS
-               else "scratch")
+    history = ("registers" if kind == "chunked"
+               or seg * history_rows(spec, ns // parts) <= REGISTER_HISTORY_FLOATS else "scratch")
     floats = staged_floats(spec, ns)
     sch = Schedule(seg=seg, threads=tg, groups_per_instance=groups, lane_reduction=reduce,
                    history=history, state_size=ns, kind=kind,
-                   stage_steps=stage_steps(seg, floats), stage_floats=floats)
+                   stage_steps=stage_steps(seg, floats), stage_floats=floats, parts=parts)
     vector, scalar, _ = lane_reduced_rows(spec, ns)
     if vector * ns + scalar > sch.shared_rows:
         # a state loop's rows in rounds of shared_rows // vector iterations; scalars after it
@@ -291,15 +344,22 @@ def make_schedule(spec: Spec, sizes: dict, seg: int, threads: int | None = None,
             raise ValueError(f"{spec.name}: {max(vector, scalar)} time-varying gradients reduced "
                              f"over lanes exceed the {sch.shared_rows} rows of threadgroup "
                              f"memory at {tg} threads per group; pass a smaller threads=")
+        if parts > 1:
+            raise _SplitMisfit("needs every per-step lane reduction in threadgroup memory at once")
         return replace(sch, time_rounds=True)
     # A lane reduction sums 32 lanes by 5 shuffle levels; stopping after fewer leaves
     # ``simd_partials`` sums per simdgroup for the threadgroup stage to add up: per value,
     # 5 - log2(SP) shuffles instead of 5, in the steps' critical path, for a few more
     # threadgroup-memory reads by the (otherwise idle) threads of the final sum.
+    # With a split state, the lanes of a partial sum must hold the same state elements:
+    # SP is a multiple of PARTS.
     rows = vector * ns + scalar
-    partials = 1
+    partials = parts
     while partials < 32 and rows * (sch.simdgroups * partials * 2 + 1) <= sch.reduction_floats:
         partials *= 2
+    if rows and rows * (sch.simdgroups * partials + 1) > sch.reduction_floats:
+        raise _SplitMisfit("leaves too little threadgroup memory for the per-step lane "
+                           "reductions")
     return replace(sch, simd_partials=partials)
 
 

@@ -46,12 +46,12 @@ def _ids(case):
     return f"{spec}-" + "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-seg{seg}"
 
 
-def _run(spec, backend, inputs, h0, Wy, Wh, seg, schedule="sequential"):
+def _run(spec, backend, inputs, h0, Wy, Wh, seg, schedule="sequential", **call):
     rec = rg.load_spec(spec)
 
     def fn(*args):
         return rec(*args[:-1], initial_state=args[-1], return_state=True, backend=backend, seg=seg,
-                   schedule=schedule)
+                   schedule=schedule, **call)
 
     return value_and_grads(fn, inputs, h0, Wy, Wh)
 
@@ -118,13 +118,13 @@ def test_scratch_history_path(backend):
 
     rec = rg.load_spec("ssd")
     sizes = dict(b=1, L=20, H=1, P=6, N=16)
-    sch = make_schedule(rec.spec, {"B": 1, "L": 20, "H": 1, "P": 6, "N": 16}, 16)
+    sch = make_schedule(rec.spec, {"B": 1, "L": 20, "H": 1, "P": 6, "N": 16}, 16, split=1)
     assert sch.history == "scratch"
     inputs, h0 = INPUTS["ssd"](**sizes)
     y_ref, h_ref = ssd_ref(*inputs, h0)
     Wy, Wh = state_loss_weights(y_ref, h_ref)
     ry, rh, rgrads = value_and_grads(lambda *a: ssd_ref(*a[:-1], a[-1]), inputs, h0, Wy, Wh)
-    ky, kh, kgrads = _run("ssd", backend, inputs, h0, Wy, Wh, 16)
+    ky, kh, kgrads = _run("ssd", backend, inputs, h0, Wy, Wh, 16, split=1)
     assert rel_err(ky, ry) < 1e-5 and rel_err(kh, rh) < 1e-5
     for g, r in zip(kgrads, rgrads):
         assert rel_err(g, r) < 1e-5
@@ -241,10 +241,11 @@ def _check_against_reference(rec, inputs, states, backend, tol=1e-5, **call):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("N, seg, history", [(3, 3, "registers"), (8, 16, "scratch")])
-def test_vector_state_beside_scalar_state(backend, N, seg, history):
+@pytest.mark.parametrize("N, seg, history, split", [(3, 3, "registers", 1), (8, 16, "scratch", 1),
+                                                    (8, 16, "registers", 4)])
+def test_vector_state_beside_scalar_state(backend, N, seg, history, split):
     """A scalar state checkpoints (and keeps in the recomputed segment) one row per lane, a
-    vector state NS rows."""
+    vector state NS rows (NS / PARTS per thread of a split state, the scalar in every part)."""
     from mlx_recgen.schedule import make_schedule
 
     @rg.recurrence(lane="P", state={"h": "B P N", "c": "B P"},
@@ -255,12 +256,12 @@ def test_vector_state_beside_scalar_state(backend, N, seg, history):
         return {"y": c * v + rg.Sum(k[n] * h[n], n)}
 
     b, L, P = 2, 20, 5
-    sch = make_schedule(gated_memory.spec, dict(B=b, L=L, P=P, N=N), seg)
-    assert sch.history == history
+    sch = make_schedule(gated_memory.spec, dict(B=b, L=L, P=P, N=N), seg, split=split)
+    assert sch.history == history and sch.parts == split
     inputs = [mx.random.normal((b, L, N)) * 0.5, mx.random.normal((b, L, P)),
               mx.random.normal((b, L, P))]
     states = [mx.random.normal((b, P, N)) * 0.5, mx.random.normal((b, P))]
-    _check_against_reference(gated_memory, inputs, states, backend, seg=seg)
+    _check_against_reference(gated_memory, inputs, states, backend, seg=seg, split=split)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -89,13 +89,13 @@ def _reference(name, inputs, states):
     return [y], list(finals) if isinstance(finals, tuple) else [finals]
 
 
-def _compiled(name, backend, schedule):
+def _compiled(name, backend, schedule, **call):
     rec = rg.load_spec(name)
 
     def run(inputs, states):
         y, finals = rec(*inputs, initial_state=_to_spec(name, states), return_state=True,
                         backend=backend, seg=SEG,
-                        **({} if backend == "mlx" else {"schedule": schedule}))
+                        **({} if backend == "mlx" else {"schedule": schedule}), **call)
         return [y], _from_spec(name, finals)
 
     return run
@@ -119,14 +119,15 @@ def _values_and_grads(fn, inputs, states, weights=None):
     return values, weights, list(grads)
 
 
-def compare(name, backend, schedule="sequential"):
+def compare(name, backend, schedule="sequential", **call):
     """Relative errors of the backend against the paper's loop: ``{quantity: error}``."""
     mx.random.seed(sum(map(ord, name)))
     inputs, states = _draw(name)
     rec = rg.load_spec(name)
     ref_values, weights, ref_grads = _values_and_grads(
         lambda i, s: _reference(name, i, s), inputs, states)
-    values, _, grads = _values_and_grads(_compiled(name, backend, schedule), inputs, states, weights)
+    values, _, grads = _values_and_grads(_compiled(name, backend, schedule, **call), inputs, states,
+                                         weights)
     state_names = list(rec.spec.states)
     errors = {f"output {o}": rel_err(v, r) for o, v, r in zip(rec.spec.outputs, values, ref_values)}
     errors.update({f"final {s}": rel_err(v, r)
@@ -175,6 +176,33 @@ def test_kernels_match_the_paper(name, backend):
 @pytest.mark.parametrize("name", TIME_PARALLEL)
 def test_chunked_kernels_match_the_paper(name, backend):
     _assert_close(compare(name, backend, "chunked"))
+
+
+# Split states: K = 4 state elements over 2 or 4 threads per lane (the sequential kernels).
+SPLIT = [(name, 2) for name in ZOO if name not in ("mingru", "complex_lru")] + \
+    [(name, 4) for name in ("gated_deltanet", "mamba2", "mlstm", "s4d")]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name, split", SPLIT, ids=lambda x: str(x))
+def test_split_state_kernels_match_the_paper(name, split, backend, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "K", 4)
+    _assert_close(compare(name, backend, "sequential", split=split))
+
+
+def test_split_refuses_what_it_cannot_do():
+    rec = rg.load_spec("gated_deltanet")
+    q = mx.random.normal((1, 3, 1, 6))
+    args = (q, q, mx.random.normal((1, 3, 1, 5)), mx.zeros((1, 3, 1)), mx.zeros((1, 3, 1)))
+    with pytest.raises(ValueError, match="dividing the state size 6"):
+        rec(*args, backend="metal-sim", schedule="sequential", split=4)
+    with pytest.raises(ValueError, match="sequential schedule"):
+        rg.load_spec("gla")(q, q, args[2], args[3], backend="metal-sim", schedule="chunked",
+                            split=2)
+    with pytest.raises(ValueError, match="kernel backends"):
+        rec(*args, backend="mlx", split=2)
 
 
 def test_mlstm_matches_the_unstabilised_cell():

@@ -157,9 +157,9 @@ class KernelBackend:
         return self._kernels[key]
 
     # -- shapes ----------------------------------------------------------------------------------
-    def _schedule(self, sizes, seg, threads, kind="sequential"):
+    def _schedule(self, sizes, seg, threads, kind="sequential", split=None):
         return make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
-                             max_threads=self.dialect.max_threads)
+                             max_threads=self.dialect.max_threads, split=split)
 
     def _launch(self, sizes, schedule, outer=1):
         """(instances, grid, threadgroup): one thread per (instance, lane), times ``outer`` for
@@ -204,9 +204,9 @@ class KernelBackend:
         return [(segments, instances, b.size * b.size, schedule.state_size if b.pointwise else 1,
                  sizes[self.rec.spec.lane]) for b in self.rec.affine.blocks]
 
-    def residual_shapes(self, sizes, seg, threads=None):
+    def residual_shapes(self, sizes, seg, threads=None, split=None):
         """Shapes of the chunked forward's residuals: checkpoints, then segment products."""
-        sch = self._schedule(sizes, seg, threads, kind="chunked")
+        sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
         instances = self._launch(sizes, sch)[0]
         return (self._state_buffer_shapes(sizes, sch, instances)
                 + self._product_shapes(sizes, sch, instances))
@@ -222,11 +222,12 @@ class KernelBackend:
                       output_shapes=shapes, output_dtypes=dtypes)
 
     # -- passes ----------------------------------------------------------------------------------
-    def forward(self, inputs, states, sizes, seg, out_dtype, threads=None, schedule="sequential"):
+    def forward(self, inputs, states, sizes, seg, out_dtype, threads=None, split=None,
+                schedule="sequential"):
         if schedule == "chunked":
-            return self._forward_chunked(inputs, states, sizes, seg, out_dtype, threads)
+            return self._forward_chunked(inputs, states, sizes, seg, out_dtype, threads, split)
         spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads)
+        sch = self._schedule(sizes, seg, threads, split=split)
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
         kernel = self.kernel("forward", sch, dtypes)
@@ -243,19 +244,19 @@ class KernelBackend:
                 list(results[n_out + n_state:]))
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg, threads=None,
-                 schedule="sequential"):
+                 split=None, schedule="sequential"):
         if schedule == "chunked":
             return self._backward_chunked(inputs, states, residuals, d_outputs, d_finals, sizes,
-                                          seg, threads)
+                                          seg, threads, split)
         spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads)
+        sch = self._schedule(sizes, seg, threads, split=split)
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         kernel = self.kernel("backward", sch, dtypes)
         shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
         shapes += self._d_init_shapes(sizes)
         if sch.history == "scratch":
-            shapes.append((sch.seg * history_rows(spec, sch.state_size) * instances
+            shapes.append((sch.seg * history_rows(spec, sch.state_size // sch.parts) * instances
                            * sch.groups_per_instance * sch.threads,))
         results = kernel(inputs=[*map(_as_buffer, inputs), *residuals, *d_outputs,
                                  *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
@@ -282,9 +283,9 @@ class KernelBackend:
         return grads
 
     # -- the chunked schedule --------------------------------------------------------------------
-    def _forward_chunked(self, inputs, states, sizes, seg, out_dtype, threads):
+    def _forward_chunked(self, inputs, states, sizes, seg, out_dtype, threads, split=None):
         spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads, kind="chunked")
+        sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
         instances = self._launch(sizes, sch)[0]
         meta = self._meta(sizes, sch)
         in_dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs)
@@ -307,9 +308,9 @@ class KernelBackend:
         return list(outs), finals, ckpts + prod
 
     def _backward_chunked(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
-                          threads):
+                          threads, split=None):
         spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads, kind="chunked")
+        sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
         instances = self._launch(sizes, sch)[0]
         meta = self._meta(sizes, sch)
         n_state = len(spec.states)
@@ -354,7 +355,7 @@ CHUNKED_KERNELS = ("summary", "carry", "outputs", "local_adjoint", "adjoint_carr
 
 
 def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, lanes=64,
-                  threads=None, schedule="sequential"):
+                  threads=None, schedule="sequential", split=None):
     """The full text of a kernel as the backend compiles it (MLX's generated signature included),
     for inputs of ``dtype`` (one dtype, or a dict by input name) and the schedule those sizes
     give. ``kind`` names a kernel of the schedule: ``SEQUENTIAL_KERNELS`` or ``CHUNKED_KERNELS``.
@@ -380,7 +381,7 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
     if spec.state_axis:
         sizes[spec.state_axis] = state_size
     impl = KernelBackend(rec, backend)
-    sch = impl._schedule(sizes, seg, threads, kind=schedule)
+    sch = impl._schedule(sizes, seg, threads, kind=schedule, split=split)
     names = impl.buffers(kind, sch)
     ids = impl.ids
     by_name = {ids["buffer", t.name]: t for t in spec.inputs.values()}

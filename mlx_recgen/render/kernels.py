@@ -76,9 +76,14 @@ class Names:
 class StepWriter:
     """C statements for one step program, with loads and store routing."""
 
-    def __init__(self, rec, dialect: Dialect, names: Names, stage: bool = False):
+    def __init__(self, rec, dialect: Dialect, names: Names, stage: bool = False,
+                 split: bool = False):
         spec = rec.spec
         self.rec, self.dialect, self.ids = rec, dialect, names
+        # (``split``) a thread holds the state elements n = part + PARTS * m: registers are
+        # indexed by m, and a sum over n is this thread's part of it until ``recgen_part_sum``
+        self.split = split
+        self.idx = "m" if split else "n"
         self.names = {}  # symbol -> the C expression of its value
         self.vector_inputs = {}
         self.scalar_loads = {}
@@ -88,7 +93,7 @@ class StepWriter:
             t = spec.tensors[slot.tensor]
             if t.kind == "state":
                 reg = names[("state", sym)]
-                self.names[sym] = f"{reg}[n]" if t.has_state_axis else reg
+                self.names[sym] = f"{reg}[{self.idx}]" if t.has_state_axis else reg
                 continue
             self.names[sym] = names[("value", sym)]
             buf, base = names[("buffer", t.name)], names[("base", t.name)]
@@ -101,7 +106,7 @@ class StepWriter:
         adj = rec.adjoint
         for slot, sym in adj.state_cotangents.items():
             t = spec.states[slot.tensor]
-            self.names[sym] = names[("sym", sym)] + ("[n]" if t.has_state_axis else "")
+            self.names[sym] = names[("sym", sym)] + (f"[{self.idx}]" if t.has_state_axis else "")
         for slot, sym in adj.output_cotangents.items():
             t = spec.outputs[slot.tensor]
             self.names[sym] = names[("value", sym)]
@@ -166,7 +171,11 @@ class StepWriter:
             inner, loop_deferred = pad + "  ", []
             lines += [f"{pad}float {self.names[b.target]} = 0.0f;"
                       for b in st.body if isinstance(b, Accumulate)]
-            lines.append(f"{pad}for (int n = 0; n < NS; ++n) {{")
+            if self.split:
+                lines += [f"{pad}for (int m = 0; m < NSP; ++m) {{",
+                          f"{pad}  const int n = part + PARTS * m;"]
+            else:
+                lines.append(f"{pad}for (int n = 0; n < NS; ++n) {{")
             lines += [self._load(s, *self.vector_inputs[s], inner)
                       for s in sorted(free_symbols(st.body), key=str) if s in self.vector_inputs]
             for b in st.body:
@@ -174,15 +183,19 @@ class StepWriter:
             lines += loop_deferred
             lines += loop_end(st, inner) if loop_end else []
             lines.append(f"{pad}}}")
+            if self.split:  # every part holds the whole sum: the sum over the lane's parts
+                lines += [f"{pad}{self.names[b.target]} = recgen_part_sum("
+                          f"{self.names[b.target]}, PARTS);"
+                          for b in st.body if isinstance(b, Accumulate)]
         return lines + deferred
 
 
-def _commit_state(spec, names):
+def _commit_state(spec, names, idx="n"):
     """Route for state stores: the new value replaces the state register once the step (or the
     loop iteration) has read the old one."""
     def route(store, value, in_loop, pad):
         reg = names[("state", spec.symbols[store.slot])]
-        return [], [f"{pad}{reg}{'[n]' if in_loop else ''} = {value};"]
+        return [], [f"{pad}{reg}{f'[{idx}]' if in_loop else ''} = {value};"]
     return route
 
 
@@ -218,20 +231,26 @@ class KernelRenderer:
             if t.has_lane:
                 terms.append(f"lane * {nm.stride(t, spec.lane)}")
             bases.append(f"const {d.int64} {nm[('base', t.name)]} = {' + '.join(terms) or '0'};")
+        split = self.schedule.parts > 1
+        ns_arr = "NSP" if split else "NS"  # state elements per thread
         states = []
-        rows = []  # history rows before this slot's: NS per vector slot, 1 per scalar slot
+        rows = []  # history rows before this slot's: NS(P) per vector slot, 1 per scalar slot
         for t in spec.states.values():
             for c in range(t.components):
                 sym = spec.symbols[Slot(t.name, c)]
                 ck = self.ckpt_offset(t, c)
-                # a shared state is stored once per instance, by lane 0 (every lane holds it)
+                # a shared state is stored once per instance, by lane 0 (every lane holds it);
+                # a scalar state once per lane, by part 0 (every part holds it)
+                writer = "lane_ok" if t.has_lane else "lane == 0"
+                if not t.has_state_axis:
+                    writer = "lane_once" if t.has_lane else "lane == 0 && part == 0"
                 states.append(dict(reg=nm[("state", sym)], vector=t.has_state_axis,
                                    init=nm[("init", t.name)], final=nm[("final", t.name)],
                                    ckpt_buffer=nm[("ckpt", t.name)],
                                    offset=nm[("base", t.name)] + nm.terms(t, c, n=t.has_state_axis),
                                    ckpt=ck, row=" + ".join(rows) or "0",
-                                   writer="lane_ok" if t.has_lane else "lane == 0"))
-                rows.append("NS" if t.has_state_axis else "1")
+                                   writer=writer))
+                rows.append(ns_arr if t.has_state_axis else "1")
 
         def shape_text(t):
             return " ".join(str(a) for a in t.axes)
@@ -243,7 +262,11 @@ class KernelRenderer:
                        f"{spec.state_axis or '(none)'}, batch axes {' '.join(spec.batch_axes) or '(none)'}",
                        f"spec names are spelled with the prefix {PREFIX} (q -> {PREFIX}q)"]
         meta = [(i, nm.meta_entry(k)) for i, k in enumerate(self.meta.keys)]
-        return dict(d=d, spec=spec.name, kind=kind, meta=meta,
+        # a loop over this thread's state elements: n (global), indexing registers by idx
+        ns_loop = ("for (int m = 0; m < NSP; ++m) { const int n = part + PARTS * m;" if split
+                   else "for (int n = 0; n < NS; ++n) {")
+        return dict(d=d, spec=spec.name, kind=kind, meta=meta, ns_arr=ns_arr, ns_loop=ns_loop,
+                    idx="m" if split else "n",
                     coords=coords, bases=bases, states=states, history_rows=" + ".join(rows),
                     schedule=self.schedule,
                     description=description, i64=d.int64, segment_in_grid=False, outer=None)
@@ -281,8 +304,9 @@ class KernelRenderer:
         """The forward sweep: over all steps from the initial state, writing checkpoints and
         the final state, or (``segment_in_grid``) over one segment from its checkpoint."""
         spec, nm = self.spec, self.names
-        writer = StepWriter(self.rec, self.d, nm, stage=self.schedule.stage_steps > 0)
-        commit_state = _commit_state(spec, nm)
+        writer = StepWriter(self.rec, self.d, nm, stage=self.schedule.stage_steps > 0,
+                            split=self.schedule.parts > 1)
+        commit_state = _commit_state(spec, nm, writer.idx)
 
         def route(store, value, in_loop, pad):
             if store.kind == "state":
@@ -290,7 +314,7 @@ class KernelRenderer:
             t = spec.outputs[store.slot.tensor]
             target = (f"{nm[('buffer', t.name)]}[{nm[('base', t.name)]}"
                       f"{nm.terms(t, store.slot.component, time=True)}]")
-            return [f"{pad}if (lane_ok) {{ {target} = static_cast<OutT>({value}); }}"], []
+            return [f"{pad}if (lane_once) {{ {target} = static_cast<OutT>({value}); }}"], []
 
         prog = self.rec.forward_program
         ctx = self._common("forward")
@@ -311,7 +335,9 @@ class KernelRenderer:
         (``lambda_only``, a program with only ``λ`` stores) from a zero adjoint, writing the
         segment's local adjoint."""
         spec, d, nm = self.spec, self.d, self.names
-        writer = StepWriter(self.rec, d, nm, stage=self.schedule.stage_steps > 0)
+        writer = StepWriter(self.rec, d, nm, stage=self.schedule.stage_steps > 0,
+                            split=self.schedule.parts > 1)
+        idx = writer.idx
         # gradients reduced over lanes, by (input tensor, component): per step, or once at the end
         time_rows, param_rows = {}, {}
         accumulators = []  # parameter gradients, summed over time in registers
@@ -331,23 +357,25 @@ class KernelRenderer:
         def route(store, value, in_loop, pad):
             if store.kind == "lambda":
                 lam = nm[("sym", self.rec.adjoint.state_cotangents[store.slot])]
-                return [], [f"{pad}{lam}{'[n]' if in_loop else ''} = {value};"]
+                return [], [f"{pad}{lam}{f'[{idx}]' if in_loop else ''} = {value};"]
             t = spec.inputs[store.slot.tensor]  # differentiable: the adjoint has no others
             c = store.slot.component
             n_idx = "n" if in_loop else "0"
+            # a value outside the state loop is the same in every part of a lane: counted once
+            ok = "lane_ok" if in_loop else "lane_once"
             if t.has_lane and t.has_time:
-                return [f"{pad}if (lane_ok) {{ {grad_target(t, c, in_loop, True)} = {value}; }}"], []
+                return [f"{pad}if ({ok}) {{ {grad_target(t, c, in_loop, True)} = {value}; }}"], []
             if not t.has_time:
                 name = nm[("acc", spec.symbols[store.slot])]
-                masked = value if t.has_lane else f"(lane_ok ? {value} : 0.0f)"
-                return [f"{pad}{name}[{n_idx}] += {masked};"], []
+                masked = value if t.has_lane and in_loop else f"({ok} ? {value} : 0.0f)"
+                return [f"{pad}{name}[{idx if in_loop else 0}] += {masked};"], []
             # shared, time-varying: reduce over lanes this step
             if (t.name, c) in loop_rows:
                 row = f"(n % ROUND) * {len(loop_rows)} + {list(loop_rows).index((t.name, c))}"
             else:
                 row = f"{time_rows[(t.name, c)].offset} + {n_idx}"
             return [f"{pad}{{",
-                    f"{pad}  const float lanes_sum = recgen_simd_partial(lane_ok ? {value} : 0.0f, SP);",
+                    f"{pad}  const float lanes_sum = recgen_simd_partial({ok} ? {value} : 0.0f, SP);",
                     f"{pad}  if (simd_lane < SP) {{ red[({row}) * RED_STRIDE + simd_group * SP + simd_lane] = lanes_sum; }}",
                     f"{pad}}}"], []
 
@@ -380,8 +408,8 @@ class KernelRenderer:
                     if not t.has_lane:
                         row = param_rows[(t.name, c)] = SharedSlot(rows(param_rows), size, target)
                     accumulators.append(dict(name=nm[("acc", spec.symbols[Slot(t.name, c)])],
-                                             size=size, shared=not t.has_lane, target=target,
-                                             slot=row))
+                                             vector=t.has_state_axis, shared=not t.has_lane,
+                                             target=target, slot=row))
                 elif not t.has_lane:
                     target = grad_target(t, c, t.has_state_axis, True)
                     if self.schedule.time_rounds and t.has_state_axis:
@@ -428,7 +456,7 @@ class KernelRenderer:
         ctx.update(
             stage=writer.stage_loads([recompute, program] if reads_state else [program]),
             recompute_loads=writer.step_loads(recompute, "      "),
-            recompute=writer.program(recompute, _commit_state(spec, nm), "      "),
+            recompute=writer.program(recompute, _commit_state(spec, nm, idx), "      "),
             loads=writer.step_loads(program, "      "),
             step=writer.program(program, route, "      ", loop_end=round_end),
             segment_in_grid=segment_in_grid, lambda_only=lambda_only,
