@@ -15,9 +15,11 @@ Cases (fp32 unless named):
 * Decoding: one step (L=1, state in and out) of gated DeltaNet at B1 H16 K=V=128, per call,
   against the same step in plain MLX ops.
 
-Each of our kernels is timed with the lane-shared inputs staged in threadgroup memory (the
-default) and, as an ablation, without (``STAGE_MAX_BYTES = 0``); the kernels differ in their
-``TILE`` template argument, so both stay compiled side by side.
+Each of our kernels is timed as chosen by default (lane-shared inputs staged in threadgroup
+memory, the state split over threads where instances x lanes are few) and, as ablations,
+without the split (``split=1``) and without staging either (``STAGE_MAX_BYTES = 0``); the
+kernels differ in their ``TILE`` and ``PARTS`` template arguments, so all stay compiled side by
+side.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def ours(rec, xs, w, reps, **call):
     return out, np.array(y.astype(mx.float32))
 
 
+# (label, lane-shared inputs staged, call options): the defaults, then ablations
+VARIANTS = [("ours-sequential", True, {}), ("ours-sequential-nosplit", True, dict(split=1)),
+            ("ours-sequential-nosplit-unstaged", False, dict(split=1))]
+
+
 def case(name, rec, shape, dtype, reps, rng, peers):
     xs_np = make_inputs(name, shape, rng)
     B, L, H, V = (shape[a] for a in ("B", "L", "H", "V"))
@@ -72,12 +79,12 @@ def case(name, rec, shape, dtype, reps, rng, peers):
     w = mx.array(w_np).astype(mdt)
     row = dict(spec=name, shape=shape, dtype=dtype, runs={})
     base = None
-    for staged in (True, False):
-        r, y = with_stage(staged, lambda: ours(rec, xs, w, reps))
+    for label, staged, call in VARIANTS:
+        r, y = with_stage(staged, lambda: ours(rec, xs, w, reps, **call))
         base = y if base is None else base
-        r["err_vs_staged"] = rel(y, base)
-        row["runs"]["ours-sequential" + ("" if staged else "-unstaged")] = r
-        print(name, shape, dtype, staged, r, flush=True)
+        r["err_vs_default"] = rel(y, base)
+        row["runs"][label] = r
+        print(name, shape, dtype, label, r, flush=True)
     for peer in peers:
         try:
             r = peers_run(peer, name, xs_np, w_np, dtype, reps)
@@ -114,9 +121,9 @@ def decode_case(reps, rng):
     beta = mx.array(rng.uniform(0.1, 0.9, (B, 1, H)).astype(np.float32))
     S = mx.array(rng.standard_normal((B, H, K, V)).astype(np.float32) * 0.1)
 
-    def ours_step():
+    def ours_step(**call):
         return gated_delta(q, k, v, g, beta, initial_state=S, return_state=True, backend="cuda",
-                           schedule="sequential")
+                           schedule="sequential", **call)
 
     def mlx_step():
         a = mx.exp(g[:, 0])[..., None, None]  # [B, H, 1, 1]
@@ -146,6 +153,7 @@ def decode_case(reps, rng):
 
     row = dict(spec="gated_delta decode step", shape=dict(B=B, H=H, K=K, V=V), dtype="float32",
                runs={"ours-sequential": dict(per_call=per_call(ours_step), build=build(ours_step)),
+                     "ours-sequential-nosplit": dict(per_call=per_call(lambda: ours_step(split=1))),
                      "mlx-ops": dict(per_call=per_call(mlx_step), build=build(mlx_step))},
                err=err)
     print(row, flush=True)
