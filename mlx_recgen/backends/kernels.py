@@ -88,6 +88,8 @@ class KernelBackend:
         self.ids = kernel_identifiers(rec, self.meta)
         self._factory = None
         self._kernels = {}
+        self._schedules = {}  # (sizes, seg, threads, kind, split) -> Schedule
+        self._metas = {}  # (sizes, schedule) -> the runtime-values array
 
     # -- names -----------------------------------------------------------------------------------
     def buffers(self, kind, schedule) -> _Buffers:
@@ -158,8 +160,13 @@ class KernelBackend:
 
     # -- shapes ----------------------------------------------------------------------------------
     def _schedule(self, sizes, seg, threads, kind="sequential", split=None):
-        return make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
-                             max_threads=self.dialect.max_threads, split=split)
+        # memoised: a decode step (L = 1) is dominated by such fixed costs per call
+        key = (tuple(sorted(sizes.items())), seg, threads, kind, split)
+        if key not in self._schedules:
+            self._schedules[key] = make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
+                                                 max_threads=self.dialect.max_threads,
+                                                 split=split)
+        return self._schedules[key]
 
     def _launch(self, sizes, schedule, outer=1):
         """(instances, grid, threadgroup): one thread per (instance, lane), times ``outer`` for
@@ -175,7 +182,10 @@ class KernelBackend:
         return instances, (total, 1, 1), (schedule.threads, 1, 1)
 
     def _meta(self, sizes, schedule):
-        return mx.array(self.meta.values(sizes, schedule), dtype=mx.int64)
+        key = (tuple(sorted(sizes.items())), schedule)
+        if key not in self._metas:
+            self._metas[key] = mx.array(self.meta.values(sizes, schedule), dtype=mx.int64)
+        return self._metas[key]
 
     def _ckpt_shape(self, t, sizes, schedule, instances, shares=False):
         """(segments, instances, components, rows, lanes): NS rows for a vector state, one for a
