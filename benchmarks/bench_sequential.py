@@ -164,7 +164,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench-sequential.json")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--only", default=None, choices=["gated_delta", "tanh", "decode", "gla", "bf16"],
+                   help="run one group of cases")
     args = p.parse_args()
+    run = lambda group: args.only in (None, group)  # noqa: E731
     rng = np.random.default_rng(0)
     x = mx.random.normal((1 << 28,))
     bandwidth = 2 * x.nbytes / time_mlx(lambda: x + 1.0, 10)
@@ -178,15 +181,20 @@ def main():
             json.dump(result, f, indent=1)
 
     delta_peers = ["fused_recurrent_gated_delta_rule"]  # chunk_*: backward refuses on Hopper
-    for shape in (dict(B=3, L=2048, H=12, K=64, V=64), dict(B=8, L=4096, H=16, K=64, V=64)):
-        save(case("gated_delta", gated_delta, shape, "float32", args.reps, rng, delta_peers))
-    save(tanh_case(args.reps, rng, bandwidth))
-    save(decode_case(100, rng))
-    gla = rg.load_spec("gla")
-    for shape in (dict(B=3, L=2048, H=12, K=64, V=64), dict(B=8, L=4096, H=16, K=64, V=64)):
-        save(case("gla", gla, shape, "float32", args.reps, rng, ["fused_recurrent_simple_gla"]))
-    save(case("gated_delta", gated_delta, dict(B=8, L=4096, H=16, K=64, V=64), "bfloat16",
-              args.reps, rng, delta_peers[:1]))
+    shapes = (dict(B=3, L=2048, H=12, K=64, V=64), dict(B=8, L=4096, H=16, K=64, V=64))
+    if run("gated_delta"):
+        for shape in shapes:
+            save(case("gated_delta", gated_delta, shape, "float32", args.reps, rng, delta_peers))
+    if run("tanh"):
+        save(tanh_case(args.reps, rng, bandwidth))
+    if run("decode"):
+        save(decode_case(100, rng))
+    if run("gla"):
+        for shape in shapes:
+            save(case("gla", rg.load_spec("gla"), shape, "float32", args.reps, rng,
+                      ["fused_recurrent_simple_gla"]))
+    if run("bf16"):
+        save(case("gated_delta", gated_delta, shapes[1], "bfloat16", args.reps, rng, delta_peers))
 
 
 if __name__ == "__main__":
