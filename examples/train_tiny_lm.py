@@ -58,9 +58,9 @@ HELD_OUT = 0.05
 # ---------------------------------------------------------------------------------------------
 
 
-def load_corpus() -> tuple[np.ndarray, list]:
-    """The bytes of the corpus modules' source files, and the files read."""
-    parts, files = [], []
+def load_corpus() -> np.ndarray:
+    """The bytes of the corpus modules' source files, one after the other."""
+    parts = []
     for name in CORPUS_MODULES:
         spec = importlib.util.find_spec(name)
         path = Path(spec.origin) if spec and spec.origin else None
@@ -69,8 +69,7 @@ def load_corpus() -> tuple[np.ndarray, list]:
                                     f"installed (found {path}); this Python ships without its "
                                     ".py files")
         parts.append(path.read_bytes())
-        files.append(str(path))
-    return np.frombuffer(b"\n".join(parts), dtype=np.uint8), files
+    return np.frombuffer(b"\n".join(parts), dtype=np.uint8)
 
 
 def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
@@ -258,13 +257,16 @@ def save_curve(path: Path, losses: list, title: str) -> Path:
     return path
 
 
+def load_average():
+    """The 1-minute load average where the platform has one: on a shared machine, others' work
+    slows every rate measured here."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def machine() -> dict:
     device = mx.default_device()
     info = {"device": str(device), "device_type": "gpu" if device.type == mx.gpu else "cpu",
-            "platform": platform.platform(), "processor": platform.processor() or None,
-            "cpu_count": os.cpu_count()}
-    if hasattr(os, "getloadavg"):  # others' work on a shared machine slows every rate here
-        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
+            "system": f"{platform.system()} {platform.machine()}", "cpu_count": os.cpu_count()}
     if hasattr(mx, "device_info"):
         try:
             info["device_info"] = {k: v for k, v in mx.device_info().items()
@@ -357,7 +359,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     mx.random.seed(args.seed)
-    data, files = load_corpus()
+    data = load_corpus()
+    load_at_start = load_average()
     split = int(len(data) * (1 - HELD_OUT))
     train_data, held_out = data[:split], data[split:]
     tokens_per_step = args.batch * args.seq
@@ -388,7 +391,9 @@ def main(argv=None) -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "arguments": vars(args), "parameters": n_params,
-        "corpus": {"files": files, "bytes": int(len(data)), "held_out_bytes": int(len(held_out))},
+        "corpus": {"standard_library_modules": list(CORPUS_MODULES), "bytes": int(len(data)),
+                   "held_out_bytes": int(len(held_out))},
+        "load_average": {"start": load_at_start, "end": load_average()},
         "steps": args.steps, "tokens_per_step": tokens_per_step, "train_seconds": seconds,
         "tokens_per_s": tokens_per_s, "final_loss": final_loss, "eval_loss": eval_loss,
         "decode_bytes_per_s": decode_rate,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import RecurrentCache
