@@ -335,8 +335,9 @@ def chunk_products(rec, inputs, sizes, block_floats: int = PRODUCT_BLOCK_FLOATS)
                 m = _matmul(m, {(i, j): total[b, i, j] for i in range(k) for j in range(k)}, k)
             product.update({(b, i, j): v for (i, j), v in m.items()})
         total = product
-        if stop < L:
-            mx.eval(list(total.values()))
+        if stop < L:  # evaluated, then cut from the graph: under mx.grad an evaluated array
+            # keeps its inputs, and so every block's multipliers, until the graph is released
+            total = {k: mx.array(np.array(v)) for k, v in total.items()}
     return total
 
 
@@ -360,15 +361,24 @@ def _apply(form, products: dict, h: dict, transpose: bool = False) -> dict:
 
 
 class _Products:
-    """Product entries of every block as one flat fp32 vector, in a fixed order."""
+    """Product entries of every block as one flat fp32 vector, in a fixed order, each
+    broadcast to ``(batch..., lane, state axis or 1)`` (the state axis for blocks whose
+    multiplier varies over it): the same layout on every rank, whichever way its chunk's
+    product was computed."""
 
-    def __init__(self, products: dict):
-        self.keys = list(products)
-        self.shapes = {k: tuple(products[k].shape) for k in self.keys}
+    def __init__(self, rec, sizes):
+        spec = rec.spec
+        lead = (*[sizes[a] for a in spec.batch_axes], sizes[spec.lane])
+        ns = sizes[spec.state_axis] if spec.state_axis else 1
+        self.shapes = {(b, i, j): (*lead, ns if block.pointwise else 1)
+                       for b, block in enumerate(rec.affine.blocks)
+                       for i in range(block.size) for j in range(block.size)}
+        self.keys = list(self.shapes)
         self.size = sum(int(np.prod(s)) for s in self.shapes.values())
 
     def flat(self, products: dict) -> mx.array:
-        return mx.concatenate([products[k].astype(mx.float32).reshape(-1) for k in self.keys])
+        return mx.concatenate([mx.broadcast_to(products[k].astype(mx.float32),
+                                               self.shapes[k]).reshape(-1) for k in self.keys])
 
     def unflat(self, x) -> dict:
         out, at = {}, 0
@@ -377,6 +387,50 @@ class _Products:
             out[k] = x[at:at + n].reshape(self.shapes[k])
             at += n
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's chunk: its summary, its run from the start state, and their adjoints
+# ---------------------------------------------------------------------------------------------
+
+
+class _Passes:
+    """A chunk run by the backend's own passes, each twice: the forward from a zero state gives
+    the local end state ``b`` (``chunk_products`` gives ``P``), then from the start state the
+    outputs; the backward from a zero end adjoint gives the local adjoint, then from the end
+    adjoint the gradients. Any backend and schedule.
+
+    Only the end state (adjoint) is taken from the summarising passes: a lazy backend does not
+    compute the rest of them (outputs, gradients) and an eager one frees it at once."""
+
+    def __init__(self, rec, impl, seg, sizes, out_dtype, options, states):
+        self.rec, self.impl, self.seg, self.sizes = rec, impl, seg, sizes
+        self.out_dtype, self.options, self.states = out_dtype, options, states
+
+    def summarise(self, inputs):
+        """``(P, b, memo)``: the chunk's products and local end state (canonical), and what
+        ``forward`` reuses."""
+        local_end = self.impl.forward(inputs, self.states.zeros(), self.sizes, self.seg,
+                                      self.out_dtype, **self.options)[1]
+        return chunk_products(self.rec, inputs, self.sizes), self.states.canonical(local_end), None
+
+    def forward(self, inputs, start, memo):
+        """``(outputs, residuals)`` of the chunk from its start states (declared layout)."""
+        outs, _, residuals = self.impl.forward(inputs, start, self.sizes, self.seg,
+                                               self.out_dtype, **self.options)
+        return outs, residuals
+
+    def local_adjoint(self, inputs, start, residuals, d_out):
+        """``(λloc, memo)``: the start-state cotangent with a zero end-state cotangent
+        (canonical), and what ``backward`` reuses."""
+        lam = self.impl.backward(inputs, start, residuals, d_out, self.states.zeros(), self.sizes,
+                                 self.seg, **self.options)[1]
+        return self.states.canonical(lam), None
+
+    def backward(self, inputs, start, residuals, d_out, lam_end, memo):
+        """``(input gradients, start-state gradients)`` from the end adjoint (declared)."""
+        return self.impl.backward(inputs, start, residuals, d_out, lam_end, self.sizes, self.seg,
+                                  **self.options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,24 +481,20 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
     spec, form = rec.spec, rec.affine
     n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
     rank, size = group.rank(), group.size()
-    inner = rec._function(impl, seg, sizes, out_dtype, options)
     states = _States(spec, sizes)
-    layout = {}  # the products' layout, fixed by the first evaluation (same on every rank)
+    products = _Products(rec, sizes)
+    chunk = _Passes(rec, impl, seg, sizes, out_dtype, options, states)
 
     def unpack_summary(row):
-        p = layout["products"]
-        return (p.unflat(row[:p.size]), states.unflat(row[p.size:p.size + states.size]),
-                states.unflat(row[p.size + states.size:]))
+        p, n = products.size, states.size
+        return (products.unflat(row[:p]), states.unflat(row[p:p + n]), states.unflat(row[p + n:]))
 
     @mx.custom_function
     def forward(*arrays):
         arrays = rules.opaque(arrays)
         inputs, init = list(arrays[:n_in]), list(arrays[n_in:])
-        local_end = inner(*inputs, *states.zeros())[n_out:n_out + n_state]
-        products = chunk_products(rec, inputs, sizes)
-        layout["products"] = _Products(products)
-        payload = mx.concatenate([layout["products"].flat(products),
-                                  states.flat(states.canonical(local_end)),
+        mine, local_end, memo = chunk.summarise(inputs)
+        payload = mx.concatenate([products.flat(mine), states.flat(local_end),
                                   states.flat(states.canonical(init))])
         gathered = _collective(mx.distributed.all_gather, payload[None], group)
         h = unpack_summary(gathered[0])[2]  # rank 0's initial state
@@ -456,18 +506,15 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
             ph = _apply(form, p, h)
             h = {s: ph[s] + b[s] for s in states.slots}
         start = states.declared(start)
-        results = inner(*inputs, *start)
-        outs, residuals = results[:n_out], results[n_out + n_state:]
+        outs, residuals = chunk.forward(inputs, start, memo)
         return (*outs, *states.declared(h), *start, gathered, *residuals)
 
     @mx.custom_function
     def backward(*arrays):
         inputs, init, start, (gathered,), residuals, d_out, d_fin = _backward_arguments(
             rules.opaque(arrays), n_in, n_state, n_out)
-        _, lam_local = impl.backward(inputs, start, residuals, d_out, states.zeros(), sizes,
-                                     seg, **options)
-        payload = mx.concatenate([states.flat(states.canonical(lam_local)),
-                                  states.flat(states.canonical(d_fin))])
+        lam_local, memo = chunk.local_adjoint(inputs, start, residuals, d_out)
+        payload = mx.concatenate([states.flat(lam_local), states.flat(states.canonical(d_fin))])
         adjoints = _collective(mx.distributed.all_gather, payload[None], group)
         parts = [(states.unflat(adjoints[q, :states.size]), states.unflat(adjoints[q, states.size:]))
                  for q in range(size)]
@@ -477,8 +524,8 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
         for q in range(size - 1, rank, -1):  # λ_end_{q-1} = P_qᵀ λ_end_q + λloc_q
             pt = _apply(form, unpack_summary(gathered[q])[0], lam, transpose=True)
             lam = {s: pt[s] + parts[q][0][s] for s in states.slots}
-        grads, lam_start = impl.backward(inputs, start, residuals, d_out, states.declared(lam),
-                                         sizes, seg, **options)
+        grads, lam_start = chunk.backward(inputs, start, residuals, d_out, states.declared(lam),
+                                          memo)
         d_init = [(g if rank == 0 else mx.zeros_like(x)).astype(x.dtype)
                   for g, x in zip(lam_start, init)]
         return tuple(mx.depends([*grads, *d_init], adjoints))
