@@ -161,6 +161,9 @@ CASES_2 = [
     # a level of 16 and leftovers (``_fold``)
     {"name": "decay-sim", "spec": "decay", "backend": "metal-sim", "chunks": [78, 45],
      "seed": 9, "options": {"schedule": "chunked", "seg": 4}},
+    # auto: chunked kernels on the long chunk, the sequential kernel on the short one
+    {"name": "gla-sim-mixed", "spec": "gla", "backend": "metal-sim", "chunks": [40, 5],
+     "seed": 10, "options": {"seg": 4}},
 ]
 CASES_3 = [
     {"name": "decay", "spec": "decay", "backend": "mlx", "chunks": [4, 1, 6], "seed": 7},
