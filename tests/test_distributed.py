@@ -262,8 +262,8 @@ def test_chunk_products_match_forward_mode(name, block_floats):
         assert rel_err(np.broadcast_to(np.array(got[key]), w.shape), w) < 1e-5, (name, key)
 
 
-def _draw(rec, sizes, rng, low=0.3, high=0.9):
-    return [mx.array(rng.uniform(low, high, worker_shape(t, sizes)).astype(np.float32))
+def _draw(rec, sizes, rng):
+    return [mx.array(rng.uniform(0.3, 0.9, worker_shape(t, sizes)).astype(np.float32))
             for t in rec.spec.inputs.values()]
 
 
