@@ -14,6 +14,9 @@ On CPUs over the ring backend (small sizes, to check that it runs)::
     mlx.launch --backend ring -n 2 -- python benchmarks/bench_distributed.py --dist ring \\
         --B 1 --H 2 --K 16 --V 16 --L 512 --check-L 128 --reps 1
 
+``--backend metal-sim --seg 16`` runs the GPU's kernels and chunk length there (the simulator
+executes each kernel as it is called, so its memory is that of the kernels' buffers).
+
 The recurrence is the bundled GLA (``--spec``), state-affine, so ranks exchange chunk
 summaries; ``--spec`` may name any bundled or file spec whose inputs are drawn by
 ``bench_scan.inputs_for``. Inputs are drawn piece by piece (one random key per piece of
@@ -87,15 +90,16 @@ def initial_states(rec, sizes, seed):
             for t in rec.spec.states.values()]
 
 
-def make_loss(rec, n_in, weights, backend, group, final_weight=1.0):
+def make_loss(rec, n_in, weights, backend, group, final_weight=1.0, **options):
     """``value_and_grad`` of ``sum(w * y) + final_weight * sum(final state)`` (``sum(y)``
-    without weights) with respect to every input and the initial state."""
+    without weights) with respect to every input and the initial state; ``options``
+    (``schedule=``, ``seg=``) go to the recurrence."""
     names = list(rec.spec.states)
 
     def loss(*arrays):
         init = dict(zip(names, arrays[n_in:]))
         y, h = rec(*arrays[:n_in], initial_state=init, return_state=True, backend=backend,
-                   group=group)
+                   group=group, **options)
         ys = y if isinstance(y, tuple) else (y,)
         hs = list(h.values()) if isinstance(h, dict) else [h]
         total = sum(((w * v.astype(mx.float32)).sum() if w is not None else
@@ -136,10 +140,11 @@ def check(rec, sizes, L, world, rank, group, args):
     weights_full = output_weights(rec, full_sizes, 0, L, args.seed)
     # every rank's loss has the final-state term, so one process counts it once per rank
     (_, (ys, hs)), grads = make_loss(rec, n_in, weights_full, args.backend, None,
-                                     final_weight=float(world))(*full, *init)
+                                     final_weight=float(world), **options(args))(*full, *init)
     mine = draw(rec, full_sizes, start, stop, piece, args.seed, args.decay_scale)
     weights = output_weights(rec, full_sizes, start, stop, args.seed)
-    (_, (ys_d, hs_d)), grads_d = make_loss(rec, n_in, weights, args.backend, group)(*mine, *init)
+    (_, (ys_d, hs_d)), grads_d = make_loss(rec, n_in, weights, args.backend, group,
+                                           **options(args))(*mine, *init)
     errors = {}
     for t, a, b in zip(spec.outputs.values(), ys_d, ys):
         axis = t.axes.index(spec.time)
@@ -160,12 +165,19 @@ def check(rec, sizes, L, world, rank, group, args):
     return errors
 
 
+def options(args) -> dict:
+    return {"schedule": args.schedule, "seg": args.seg}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dist", default=None, help="mx.distributed backend (nccl, ring, ...); "
                     "none: one process without a group")
     ap.add_argument("--spec", default="gla")
     ap.add_argument("--backend", default="auto", help="the recurrence's backend")
+    ap.add_argument("--schedule", default="auto", help="the recurrence's schedule")
+    ap.add_argument("--seg", type=int, default=None, help="the recurrence's segment (chunk) "
+                    "length; default: the schedule's choice")
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--K", type=int, default=64)
@@ -189,7 +201,8 @@ def main():
     device = str(mx.default_device())
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# {args.spec} B{args.B} H{args.H} K{args.K} V{args.V} L{args.L} on {world} "
-        f"process(es), dist={args.dist}, backend={args.backend}, device={device}")
+        f"process(es), dist={args.dist}, backend={args.backend}, schedule={args.schedule}, "
+        f"seg={args.seg or 'auto'}, device={device}")
 
     if args.check_L and group is not None:
         errors = check(rec, sizes, args.check_L, world, rank, group, args)
@@ -209,7 +222,7 @@ def main():
     init = initial_states(rec, full_sizes, args.seed)
     mx.eval(inputs, init)
     weights = [None] * len(spec.outputs)
-    step = make_loss(rec, len(spec.inputs), weights, args.backend, group)
+    step = make_loss(rec, len(spec.inputs), weights, args.backend, group, **options(args))
 
     def once():
         (value, _), grads = step(*inputs, *init)

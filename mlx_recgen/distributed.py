@@ -17,23 +17,39 @@ the sum of all ranks' losses,
 Two algorithms, chosen by the affine analysis (``rec.time_parallel``):
 
 * **State-affine recurrences** (``h' = M h + b``): no rank waits for another's scan. Every rank
-  summarises its chunk: ``b_r``, its final state from a zero state (the backend's own forward),
-  and ``P_r = M_last ... M_first``, its composed multiplier, so that the chunk maps a start
-  state ``h`` to ``P_r h + b_r``. ``P_r`` is block-diagonal over (instance, lane, state element)
-  with the K x K blocks of ``rec.affine.blocks``; each entry ``M_t[i][j] = ∂h'_i/∂h_j`` depends on
-  the step's inputs only, so ``chunk_products`` evaluates the per-step multipliers of the whole
-  chunk at once with MLX ops and multiplies them in a pairwise tree over time (exact, no
-  recurrence, the same on every backend; it replaces the K forward-mode passes that would read
-  the columns of ``P_r`` off the tangent recurrence). One ``all_gather`` exchanges
-  ``(P_r, b_r)`` and the initial state; every rank folds ``h <- P_q h + b_q`` over the ranks
-  before it from rank 0's initial state (in fp32) to get its start state, and over all ranks to
-  get the final state, then runs its chunk from its start state. The backward mirrors it: every
-  rank computes its local adjoint ``λloc_r`` (the start-state cotangent of its chunk with a zero
-  final-state cotangent), one ``all_gather`` exchanges ``λloc_r`` and the final state's
-  cotangent, every rank folds ``λ_end_r = P_{r+1}ᵀ λ_end_{r+1} + λloc_{r+1}`` down from the last
-  rank, whose ``λ_end`` is the final state's cotangent summed over ranks (every rank returns the
-  final state), then runs its chunk's backward from ``λ_end_r``. Per rank that is two forward
-  and two backward passes over its chunk (one of each to summarise), all ranks at once.
+  summarises its chunk: ``b_r``, its final state from a zero state, and ``P_r = M_last ...
+  M_first``, its composed multiplier, so that the chunk maps a start state ``h`` to
+  ``P_r h + b_r``. ``P_r`` is block-diagonal over (instance, lane, state element) with the
+  K x K blocks of ``rec.affine.blocks``. One ``all_gather`` exchanges ``(P_r, b_r)`` and the
+  initial state; every rank folds ``h <- P_q h + b_q`` over the ranks before it from rank 0's
+  initial state (in fp32) to get its start state, and over all ranks to get the final state,
+  then runs its chunk from its start state. The backward mirrors it: every rank computes its
+  local adjoint ``λloc_r`` (the start-state cotangent of its chunk with a zero final-state
+  cotangent), one ``all_gather`` exchanges ``λloc_r`` and the final state's cotangent, every
+  rank folds ``λ_end_r = P_{r+1}ᵀ λ_end_{r+1} + λloc_{r+1}`` down from the last rank, whose
+  ``λ_end`` is the final state's cotangent summed over ranks (every rank returns the final
+  state), then runs its chunk's backward from ``λ_end_r``.
+
+  Where the summaries come from (``_Segments``, ``_Passes``):
+
+  - On a kernel backend's chunked schedule (``auto`` on a GPU for long chunks) the chunk's own
+    kernels already summarise each segment of it: the summary kernel's local end states and
+    composed multipliers, composed over the segments (``_fold``), give ``(P_r, b_r)``, and the
+    carry kernel then runs from the start state on those same summaries; the local-adjoint
+    kernel's per-segment adjoints, composed with the transposed multipliers, give ``λloc_r``,
+    and the adjoint carry reuses them. A rank runs every kernel of one device's forward and
+    backward once over its chunk, plus the two folds (each writes 1/16 of a checkpoint buffer)
+    and two collectives of a few states: its time and memory are about those of one device on
+    its chunk alone.
+  - Elsewhere (sequential schedules, the ``mlx`` backend) the backend's passes run twice:
+    ``b_r`` from its forward from a zero state, ``λloc_r`` from its backward with a zero
+    end-state cotangent (only their end states are kept), and ``P_r`` from
+    ``chunk_products``, which evaluates the per-step multipliers ``M_t[i][j] = ∂h'_i/∂h_j``
+    (free of the state) with MLX ops and multiplies them in a pairwise tree over time. That is
+    two forward and two backward passes per rank. A GPU keeps every buffer a kernel reads or
+    writes until the command batch that holds it completes, and MLX encodes far ahead of it,
+    so with kernels a rank's peak there is about the sum of the buffers of all four passes:
+    2/n of one device's on the whole sequence (with two ranks, as much).
 * **Other recurrences**: a pipeline, sequential across ranks. Rank ``r`` waits for the state at
   the end of rank ``r - 1``'s chunk, runs its chunk and hands its end state on; the backward
   hands the state adjoint from rank ``r + 1`` to rank ``r``. One forward and one backward pass
@@ -64,6 +80,7 @@ import mlx.core as mx
 import numpy as np
 
 from .affine import _with_dependencies
+from .backends import kernels as _kernels
 from .backends.reference import Evaluator
 from .layout import declared_shape, from_canonical, to_canonical
 from .spec import Slot
@@ -335,8 +352,9 @@ def chunk_products(rec, inputs, sizes, block_floats: int = PRODUCT_BLOCK_FLOATS)
                 m = _matmul(m, {(i, j): total[b, i, j] for i in range(k) for j in range(k)}, k)
             product.update({(b, i, j): v for (i, j), v in m.items()})
         total = product
-        if stop < L:
-            mx.eval(list(total.values()))
+        if stop < L:  # evaluated, then cut from the graph: under mx.grad an evaluated array
+            # keeps its inputs, and so every block's multipliers, until the graph is released
+            total = {k: mx.array(np.array(v)) for k, v in total.items()}
     return total
 
 
@@ -360,15 +378,24 @@ def _apply(form, products: dict, h: dict, transpose: bool = False) -> dict:
 
 
 class _Products:
-    """Product entries of every block as one flat fp32 vector, in a fixed order."""
+    """Product entries of every block as one flat fp32 vector, in a fixed order, each
+    broadcast to ``(batch..., lane, state axis or 1)`` (the state axis for blocks whose
+    multiplier varies over it): the same layout on every rank, whichever way its chunk's
+    product was computed."""
 
-    def __init__(self, products: dict):
-        self.keys = list(products)
-        self.shapes = {k: tuple(products[k].shape) for k in self.keys}
+    def __init__(self, rec, sizes):
+        spec = rec.spec
+        lead = (*[sizes[a] for a in spec.batch_axes], sizes[spec.lane])
+        ns = sizes[spec.state_axis] if spec.state_axis else 1
+        self.shapes = {(b, i, j): (*lead, ns if block.pointwise else 1)
+                       for b, block in enumerate(rec.affine.blocks)
+                       for i in range(block.size) for j in range(block.size)}
+        self.keys = list(self.shapes)
         self.size = sum(int(np.prod(s)) for s in self.shapes.values())
 
     def flat(self, products: dict) -> mx.array:
-        return mx.concatenate([products[k].astype(mx.float32).reshape(-1) for k in self.keys])
+        return mx.concatenate([mx.broadcast_to(products[k].astype(mx.float32),
+                                               self.shapes[k]).reshape(-1) for k in self.keys])
 
     def unflat(self, x) -> dict:
         out, at = {}, 0
@@ -377,6 +404,221 @@ class _Products:
             out[k] = x[at:at + n].reshape(self.shapes[k])
             at += n
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's chunk: its summary, its run from the start state, and their adjoints
+# ---------------------------------------------------------------------------------------------
+
+
+class _Passes:
+    """A chunk run by the backend's own passes, each twice: the forward from a zero state gives
+    the local end state ``b`` (``chunk_products`` gives ``P``), then from the start state the
+    outputs; the backward from a zero end adjoint gives the local adjoint, then from the end
+    adjoint the gradients. Any backend and schedule.
+
+    Only the end state (adjoint) is taken from the summarising passes: a lazy backend does not
+    compute the rest of them (outputs, gradients) and an eager one frees it at once."""
+
+    def __init__(self, rec, impl, seg, sizes, out_dtype, options, states):
+        self.rec, self.impl, self.seg, self.sizes = rec, impl, seg, sizes
+        self.out_dtype, self.options, self.states = out_dtype, options, states
+
+    def summarise(self, inputs):
+        """``(P, b, memo)``: the chunk's products and local end state (canonical), and what
+        ``forward`` reuses."""
+        local_end = self.impl.forward(inputs, self.states.zeros(), self.sizes, self.seg,
+                                      self.out_dtype, **self.options)[1]
+        return chunk_products(self.rec, inputs, self.sizes), self.states.canonical(local_end), None
+
+    def forward(self, inputs, start, memo):
+        """``(outputs, residuals)`` of the chunk from its start states (declared layout)."""
+        outs, _, residuals = self.impl.forward(inputs, start, self.sizes, self.seg,
+                                               self.out_dtype, **self.options)
+        return outs, residuals
+
+    def local_adjoint(self, inputs, start, residuals, d_out):
+        """``(λloc, memo)``: the start-state cotangent with a zero end-state cotangent
+        (canonical), and what ``backward`` reuses."""
+        lam = self.impl.backward(inputs, start, residuals, d_out, self.states.zeros(), self.sizes,
+                                 self.seg, **self.options)[1]
+        return self.states.canonical(lam), None
+
+    def backward(self, inputs, start, residuals, d_out, lam_end, memo):
+        """``(input gradients, start-state gradients)`` from the end adjoint (declared)."""
+        return self.impl.backward(inputs, start, residuals, d_out, lam_end, self.sizes, self.seg,
+                                  **self.options)
+
+
+class _Segments:
+    """A chunk on a kernel backend's chunked schedule, summarised from its own kernels'
+    per-segment summaries (see the module docstring): every kernel of one device's forward and
+    backward runs once, and nothing twice.
+
+    Kernel buffers hold one state per segment as ``[segment, instance, component, NS or 1,
+    lane]`` and block ``b``'s products as ``[segment, instance, row * K + col, NS or 1, lane]``
+    (``render/chunked.py``); instances enumerate the batch axes, row-major. The passes are those
+    of ``KernelBackend._forward_chunked`` and ``_backward_chunked``, cut at the carries."""
+
+    @staticmethod
+    def applies(rec, impl, options) -> bool:
+        """On the chunked kernel schedule, for states with every batch axis and the lane axis
+        (whose buffers map onto the canonical layout by a reshape)."""
+        spec = rec.spec
+        return (impl.name != "mlx" and options.get("schedule") == "chunked"
+                and all(t.has_lane and set(spec.batch_axes) <= set(t.batch_axes)
+                        for t in spec.states.values()))
+
+    def __init__(self, rec, impl, seg, sizes, out_dtype, options, states):
+        self.rec, self.impl, self.sizes, self.out_dtype = rec, impl, sizes, out_dtype
+        self.spec = spec = rec.spec
+        self.n_state = len(spec.states)
+        self.sch = impl._schedule(sizes, seg, options.get("threads"), kind="chunked")
+        instances = impl._launch(sizes, self.sch)[0]
+        self.values = impl._state_buffer_shapes(sizes, self.sch, instances)
+        self.shares = impl._state_buffer_shapes(sizes, self.sch, instances, shares=True)
+        self.products = impl._product_shapes(sizes, self.sch, instances)
+        self.where = {Slot(t.name, c): (n, c)  # each slot's state buffer and component
+                      for n, t in enumerate(spec.states.values()) for c in range(t.components)}
+
+    def _run(self, kind, meta, inputs, shapes, dtypes, dtypes_text, template=()):
+        return list(self.impl._run(kind, self.sch, self.sizes, meta, inputs, shapes, dtypes,
+                                   dtypes_text, template))
+
+    def _canonical(self, x):
+        """One segment's ``[instance, NS or 1, lane]`` as ``(batch..., lane, NS or 1)``."""
+        batch = [self.sizes[a] for a in self.spec.batch_axes]
+        return mx.swapaxes(x.reshape(*batch, *x.shape[-2:]), -1, -2)
+
+    def _compose(self, prods, per_segment, adjoint):
+        """The chunk's ``(P, offsets)`` (canonical) from per-segment buffers: forward, the maps
+        ``h <- P_s h + local_s`` from the first segment on; for the adjoint,
+        ``λ <- P_sᵀ λ + local_s`` from the last segment back (only the offsets, ``λloc``)."""
+        products, offsets = {}, {}
+        for b, block in enumerate(self.rec.affine.blocks):
+            k = block.size
+            A = [[prods[b][:, :, (j * k + i) if adjoint else (i * k + j)] for j in range(k)]
+                 for i in range(k)]
+            c = [per_segment[n][:, :, comp] for n, comp in (self.where[s] for s in block.slots)]
+            A, c = _fold(A, c, reverse=adjoint)
+            for i, s in enumerate(block.slots):
+                offsets[s] = self._canonical(c[i][0])
+                for j in range(k):
+                    products[b, i, j] = self._canonical(A[i][j][0])
+        return products, offsets
+
+    def summarise(self, inputs):
+        meta = self.impl._meta(self.sizes, self.sch)  # one per pass
+        summary = self._run("summary", meta, _buffers(inputs), self.values + self.products,
+                            [mx.float32] * (self.n_state + len(self.products)),
+                            _dtypes_text(inputs))
+        local, prods = summary[:self.n_state], summary[self.n_state:]
+        products, local_end = self._compose(prods, local, adjoint=False)
+        return products, local_end, (meta, local, prods)
+
+    def forward(self, inputs, start, memo):
+        spec, n = self.spec, self.n_state
+        meta, local, prods = memo
+        carried = self._run("carry", meta, [*start, *local, *prods],
+                            [declared_shape(t, self.sizes) for t in spec.states.values()]
+                            + self.values, [mx.float32] * (2 * n), _dtypes_text(start))
+        ckpts = carried[n:]
+        outs = self._run("outputs", meta, [*_buffers(inputs), *ckpts],
+                         [declared_shape(t, self.sizes) for t in spec.outputs.values()],
+                         [self.out_dtype] * len(spec.outputs),
+                         f"{_dtypes_text(inputs)} -> {_kernels._dtype_name(self.out_dtype)}",
+                         [("OutT", self.out_dtype)])
+        return outs, ckpts + prods
+
+    def local_adjoint(self, inputs, start, residuals, d_out):
+        n = self.n_state
+        meta = self.impl._meta(self.sizes, self.sch)
+        local = self._run("local_adjoint", meta, [*_buffers(inputs), *residuals[:n], *d_out],
+                          self.shares, [mx.float32] * n, _dtypes_text([*inputs, *d_out]))
+        return self._compose(residuals[n:], local, adjoint=True)[1], (meta, local)
+
+    def backward(self, inputs, start, residuals, d_out, lam_end, memo):
+        impl, n = self.impl, self.n_state
+        meta, local = memo
+        ckpts, prods = residuals[:n], residuals[n:]
+        carried = self._run("adjoint_carry", meta,
+                            [*[g.astype(mx.float32) for g in lam_end], *local, *prods],
+                            impl._d_init_shapes(self.sizes) + self.shares,
+                            [mx.float32] * (2 * n), "float32")
+        d_start, lam_ends = carried[:n], carried[n:]
+        shapes = [impl.meta.grad_shape(t, self.sizes, self.sch)
+                  for t in _kernels._differentiable(self.spec).values()]
+        results = self._run("gradients", meta, [*_buffers(inputs), *ckpts, *d_out, *lam_ends],
+                            shapes, [mx.float32] * len(shapes), _dtypes_text([*inputs, *d_out]))
+        return (impl._finish_grads(inputs, results, self.sizes, self.sch),
+                impl._finish_d_init(d_start, start))
+
+
+def _buffers(inputs) -> list:
+    return [_kernels._as_buffer(x) for x in inputs]
+
+
+def _dtypes_text(arrays) -> str:
+    return ", ".join(_kernels._dtype_name(x.dtype) for x in arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# Composing per-segment affine maps
+# ---------------------------------------------------------------------------------------------
+
+# The arity of the tree in ``_fold``: each level writes 1/FOLD_ARITY of what it reads.
+FOLD_ARITY = 16
+
+
+def _then(first, second):
+    """The affine map ``second ∘ first`` of maps ``(A, c)``: ``x -> A x + c`` per element, ``A``
+    a K x K list of arrays, ``c`` a list of K arrays."""
+    (A1, c1), (A2, c2) = first, second
+    k = len(c1)
+    A = [[sum((A2[i][m] * A1[m][j] for m in range(1, k)), A2[i][0] * A1[0][j])
+          for j in range(k)] for i in range(k)]
+    c = [sum((A2[i][m] * c1[m] for m in range(1, k)), A2[i][0] * c1[0] + c2[i])
+         for i in range(k)]
+    return A, c
+
+
+def _in_order(maps, reverse=False):
+    """The composition of ``maps`` applied first to last (last to first when ``reverse``)."""
+    maps = maps[::-1] if reverse else maps
+    total = maps[0]
+    for m in maps[1:]:
+        total = _then(total, m)
+    return total
+
+
+def _fold(A, c, reverse=False):
+    """The composition of the affine maps ``x -> A_s x + c_s`` stacked along the leading axis
+    of ``A`` (a K x K list of arrays) and ``c`` (a list of K arrays), the first map applied
+    first (the last first when ``reverse``): ``(A, c)`` with a leading axis of one.
+
+    A tree of ``FOLD_ARITY``-ary levels. A level composes the maps of all its groups at once,
+    one map after the other, reading them as strided views. Each op of that chain is the only
+    reader of the previous op's result, whose buffer MLX then reuses (donation), so a level
+    allocates about one buffer the size of its results: 1/FOLD_ARITY of what it reads, which is
+    what a GPU, holding every buffer of an evaluation until it completes, keeps of it. The maps
+    left at the end of a level (fewer than a group, one segment's each) are composed on their
+    own and join the total in time order."""
+    leftovers = []  # per level, its last maps composed: later in time than the level's groups
+    while c[0].shape[0] > 1:
+        n = c[0].shape[0]
+        arity = min(FOLD_ARITY, n)
+        whole = n - n % arity
+        if whole < n:
+            leftovers.append(_in_order([_at(A, c, slice(s, s + 1)) for s in range(whole, n)],
+                                       reverse))
+        A, c = _in_order([_at(A, c, slice(j, whole, arity)) for j in range(arity)], reverse)
+    # in time order: the last level's groups, then each level's leftovers, deepest first
+    return _in_order([(A, c), *leftovers[::-1]], reverse)
+
+
+def _at(A, c, index):
+    """The maps ``index`` (a slice along the leading axis) of stacked maps."""
+    return [[a[index] for a in row] for row in A], [x[index] for x in c]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,24 +669,21 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
     spec, form = rec.spec, rec.affine
     n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
     rank, size = group.rank(), group.size()
-    inner = rec._function(impl, seg, sizes, out_dtype, options)
     states = _States(spec, sizes)
-    layout = {}  # the products' layout, fixed by the first evaluation (same on every rank)
+    products = _Products(rec, sizes)
+    chunk = (_Segments if _Segments.applies(rec, impl, options) else _Passes)(
+        rec, impl, seg, sizes, out_dtype, options, states)
 
     def unpack_summary(row):
-        p = layout["products"]
-        return (p.unflat(row[:p.size]), states.unflat(row[p.size:p.size + states.size]),
-                states.unflat(row[p.size + states.size:]))
+        p, n = products.size, states.size
+        return (products.unflat(row[:p]), states.unflat(row[p:p + n]), states.unflat(row[p + n:]))
 
     @mx.custom_function
     def forward(*arrays):
         arrays = rules.opaque(arrays)
         inputs, init = list(arrays[:n_in]), list(arrays[n_in:])
-        local_end = inner(*inputs, *states.zeros())[n_out:n_out + n_state]
-        products = chunk_products(rec, inputs, sizes)
-        layout["products"] = _Products(products)
-        payload = mx.concatenate([layout["products"].flat(products),
-                                  states.flat(states.canonical(local_end)),
+        mine, local_end, memo = chunk.summarise(inputs)
+        payload = mx.concatenate([products.flat(mine), states.flat(local_end),
                                   states.flat(states.canonical(init))])
         gathered = _collective(mx.distributed.all_gather, payload[None], group)
         h = unpack_summary(gathered[0])[2]  # rank 0's initial state
@@ -456,18 +695,15 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
             ph = _apply(form, p, h)
             h = {s: ph[s] + b[s] for s in states.slots}
         start = states.declared(start)
-        results = inner(*inputs, *start)
-        outs, residuals = results[:n_out], results[n_out + n_state:]
+        outs, residuals = chunk.forward(inputs, start, memo)
         return (*outs, *states.declared(h), *start, gathered, *residuals)
 
     @mx.custom_function
     def backward(*arrays):
         inputs, init, start, (gathered,), residuals, d_out, d_fin = _backward_arguments(
             rules.opaque(arrays), n_in, n_state, n_out)
-        _, lam_local = impl.backward(inputs, start, residuals, d_out, states.zeros(), sizes,
-                                     seg, **options)
-        payload = mx.concatenate([states.flat(states.canonical(lam_local)),
-                                  states.flat(states.canonical(d_fin))])
+        lam_local, memo = chunk.local_adjoint(inputs, start, residuals, d_out)
+        payload = mx.concatenate([states.flat(lam_local), states.flat(states.canonical(d_fin))])
         adjoints = _collective(mx.distributed.all_gather, payload[None], group)
         parts = [(states.unflat(adjoints[q, :states.size]), states.unflat(adjoints[q, states.size:]))
                  for q in range(size)]
@@ -477,8 +713,8 @@ def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
         for q in range(size - 1, rank, -1):  # λ_end_{q-1} = P_qᵀ λ_end_q + λloc_q
             pt = _apply(form, unpack_summary(gathered[q])[0], lam, transpose=True)
             lam = {s: pt[s] + parts[q][0][s] for s in states.slots}
-        grads, lam_start = impl.backward(inputs, start, residuals, d_out, states.declared(lam),
-                                         sizes, seg, **options)
+        grads, lam_start = chunk.backward(inputs, start, residuals, d_out, states.declared(lam),
+                                          memo)
         d_init = [(g if rank == 0 else mx.zeros_like(x)).astype(x.dtype)
                   for g, x in zip(lam_start, init)]
         return tuple(mx.depends([*grads, *d_init], adjoints))

@@ -27,6 +27,8 @@ import pytest
 import distributed_worker as worker
 import mlx_recgen as rg
 from conftest import rel_err
+from mlx_recgen import distributed
+from mlx_recgen.backends import kernels
 from mlx_recgen.distributed import chunk_products
 from mlx_recgen.layout import to_canonical
 from mlx_recgen.spec import Slot
@@ -155,6 +157,13 @@ CASES_2 = [
      "options": {"schedule": "chunked", "seg": 4}},
     {"name": "delta-sim", "spec": "delta", "backend": "metal-sim", "chunks": [6, 4], "seed": 6,
      "options": {"seg": 4}},
+    # two states, per-element and per-lane multipliers, and a tree of segment summaries with
+    # a level of 16 and leftovers (``_fold``)
+    {"name": "decay-sim", "spec": "decay", "backend": "metal-sim", "chunks": [78, 45],
+     "seed": 9, "options": {"schedule": "chunked", "seg": 4}},
+    # auto: chunked kernels on the long chunk, the sequential kernel on the short one
+    {"name": "gla-sim-mixed", "spec": "gla", "backend": "metal-sim", "chunks": [40, 5],
+     "seed": 10, "options": {"seg": 4}},
 ]
 CASES_3 = [
     {"name": "decay", "spec": "decay", "backend": "mlx", "chunks": [4, 1, 6], "seed": 7},
@@ -251,6 +260,129 @@ def test_chunk_products_match_forward_mode(name, block_floats):
     assert set(got) == set(want)
     for key, w in want.items():
         assert rel_err(np.broadcast_to(np.array(got[key]), w.shape), w) < 1e-5, (name, key)
+
+
+def _draw(rec, sizes, rng):
+    return [mx.array(rng.uniform(0.3, 0.9, worker_shape(t, sizes)).astype(np.float32))
+            for t in rec.spec.inputs.values()]
+
+
+def _normal(tensors, sizes, rng):
+    return [mx.array(rng.standard_normal(worker_shape(t, sizes)).astype(np.float32))
+            for t in tensors]
+
+
+@pytest.mark.parametrize("arity", [16, 3])
+@pytest.mark.parametrize("name", ["gla", "rot", "decay", "s4d"])
+def test_segment_summaries_match_the_passes(name, arity, monkeypatch):
+    """On the chunked kernel schedule a rank composes its kernels' per-segment summaries
+    (``_Segments``) where elsewhere it runs the backend's passes twice (``_Passes``): the same
+    products, local end state, outputs, residuals, local adjoint and gradients. 78 steps are 20
+    segments of 4 (the last one partial): at arity 16 one group and 4 left over, at arity 3
+    three levels, one with leftovers."""
+    monkeypatch.setattr(distributed, "FOLD_ARITY", arity)
+    rec = worker.SPECS.get(name) or rg.load_spec(name)
+    spec = rec.spec
+    sizes = dict(worker.SIZES, L=78, D=3)
+    rng = np.random.RandomState(0)
+    inputs = _draw(rec, sizes, rng)
+    start = _normal(spec.states.values(), sizes, rng)
+    d_out = _normal(spec.outputs.values(), sizes, rng)
+    lam_end = _normal(spec.states.values(), sizes, rng)
+    impl = rec._backend("metal-sim")
+    options = {"schedule": "chunked"}
+    assert distributed._Segments.applies(rec, impl, options)
+    states = distributed._States(spec, sizes)
+    args = (rec, impl, 4, sizes, mx.float32, options, states)
+    ours, passes = distributed._Segments(*args), distributed._Passes(*args)
+    layout = distributed._Products(rec, sizes)
+
+    def close(a, b, what):  # relative per element: products span many orders of magnitude
+        b = np.array(b, dtype=np.float64)
+        np.testing.assert_allclose(np.array(a, dtype=np.float64), b, rtol=2e-5,
+                                   atol=1e-6 * np.abs(b).max(), err_msg=f"{name}: {what}")
+
+    products, local_end, memo = ours.summarise(inputs)
+    want_products, want_end, _ = passes.summarise(inputs)
+    close(layout.flat(products), layout.flat(want_products), "products")
+    close(states.flat(local_end), states.flat(want_end), "local end state")
+    outs, residuals = ours.forward(inputs, start, memo)
+    want_outs, want_residuals = passes.forward(inputs, start, None)
+    for a, b in zip([*outs, *residuals], [*want_outs, *want_residuals]):
+        close(a, b, "outputs and residuals")
+    lam_local, memo = ours.local_adjoint(inputs, start, residuals, d_out)
+    want_lam, _ = passes.local_adjoint(inputs, start, residuals, d_out)
+    close(states.flat(lam_local), states.flat(want_lam), "local adjoint")
+    grads, d_start = ours.backward(inputs, start, residuals, d_out, lam_end, memo)
+    want_grads, want_d_start = passes.backward(inputs, start, residuals, d_out, lam_end, None)
+    for a, b in zip([*grads, *d_start], [*want_grads, *want_d_start]):
+        close(a, b, "gradients")
+
+
+def _stand_in_kernels(kept):
+    """A stand-in for ``mx.fast.cuda_kernel`` on the CPU: a kernel's outputs are slices of one
+    fresh buffer that depends on every input (row-contiguous, as a kernel reads them), without
+    the kernel's work; every kernel's inputs and outputs are appended to ``kept``. Holding them
+    until the evaluation ends is what a GPU does when MLX encodes ahead of it (every buffer a
+    kernel reads or writes lives until its command batch completes), so the peak is what a GPU
+    would hold."""
+    def factory(backend):
+        def make(name, input_names, output_names, source, header="", **_):
+            def kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup, **_):
+                flat = [x.reshape(-1) for x in inputs]
+                probe = sum(f[:1].astype(mx.float32).sum() for f in flat)
+                sizes = [int(np.prod(s)) * d.size for s, d in zip(output_shapes, output_dtypes)]
+                buffer = mx.zeros((sum(sizes),), dtype=mx.uint8) + probe.astype(mx.uint8)
+                kept.append([*flat, buffer])
+                outs, at = [], 0
+                for shape, dtype, n in zip(output_shapes, output_dtypes, sizes):
+                    outs.append(buffer[at:at + n].view(dtype).reshape(tuple(shape)))
+                    at += n
+                return outs
+            return kernel
+        return make
+    return factory
+
+
+def test_a_rank_of_two_holds_half_the_kernel_buffers_of_one_device(monkeypatch):
+    """What a GPU holds for forward+backward on the chunked kernel schedule: one rank of two
+    (a group of one over half the sequence runs the same per-rank work) about half of one
+    device over the whole sequence. Running the backend's passes twice per rank (``_Passes``)
+    held 0.82 of it here."""
+    kept = []
+    monkeypatch.setattr(kernels, "kernel_factory", _stand_in_kernels(kept))
+    rec = rg.Recurrence(rg.load_spec("gla").spec)  # its own backends, built with the stand-in
+    K, L = 16, 4096
+
+    def peak(steps, group):
+        mx.random.seed(0)
+        q, k, v = (mx.random.normal((1, steps, 2, K)) for _ in range(3))
+        g, h0 = mx.random.uniform(shape=(1, steps, 2)), mx.zeros((1, 2, K, K))
+
+        def loss(*arrays):
+            y, h = rec(*arrays[:4], initial_state=arrays[4], return_state=True, backend="cuda",
+                       seg=16, group=group)
+            return y.sum() + h.sum()
+
+        step = mx.value_and_grad(loss, argnums=tuple(range(5)))
+        mx.eval(q, k, v, g, h0, step(q, k, v, g, h0))  # kernels built
+        kept.clear()
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(step(q, k, v, g, h0))
+        kept.clear()
+        return mx.get_peak_memory() - base
+
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        one, rank = peak(L, None), peak(L // 2, mx.distributed.init())
+    finally:
+        mx.set_default_device(device)
+    assert one > 0, "this MLX build reports no peak memory"
+    assert rank < 0.6 * one, (f"one of two ranks {rank / 2**20:.2f} MiB, "
+                              f"one device {one / 2**20:.2f} MiB")
 
 
 def _single(rec, inputs, states, **options):
