@@ -93,10 +93,15 @@ class _Chain:
 
 
 def _split_steps(x, steps: int, rank: int) -> list:
-    """Per-step slices of ``x`` (``rank`` axes with the time axis), or ``x`` for every step."""
+    """Per-step slices of ``x`` (``rank`` axes with the time axis), or ``x`` for every step.
+
+    One slice per step rather than ``mx.split``: the backward recomputes the forward's splits,
+    and ``mx.compile`` (MLX 0.32.4) fails with ``IndexError: _Map_base::at`` when it merges two
+    equal multi-output ``Split`` nodes, which it does under ``mx.compile(mx.grad(...))``.
+    Single-output slices merge cleanly."""
     if not isinstance(x, mx.array) or x.ndim < rank:
         return [x] * steps
-    return [x] if steps == 1 else mx.split(x, steps, axis=0)
+    return [x] if steps == 1 else [x[j:j + 1] for j in range(steps)]
 
 
 def _fit(x, shape) -> mx.array:
