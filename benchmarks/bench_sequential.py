@@ -46,13 +46,18 @@ def tanh_rnn(h, x, w):
     return {"y": h}
 
 
-def with_stage(enabled, fn):
+def with_stage(enabled, fn, rec=None):
+    """``fn()`` with staging off unless ``enabled``; the backend's memoised schedules of
+    ``rec`` are dropped before and after, so that neither setting reuses the other's."""
     saved = schedule.STAGE_MAX_BYTES
     schedule.STAGE_MAX_BYTES = saved if enabled else 0
+    forget = (lambda: rec._backend("cuda")._schedules.clear()) if rec is not None else (lambda: None)
+    forget()
     try:
         return fn()
     finally:
         schedule.STAGE_MAX_BYTES = saved
+        forget()
 
 
 def ours(rec, xs, w, reps, **call):
@@ -80,7 +85,7 @@ def case(name, rec, shape, dtype, reps, rng, peers):
     row = dict(spec=name, shape=shape, dtype=dtype, runs={})
     base = None
     for label, staged, call in VARIANTS:
-        r, y = with_stage(staged, lambda: ours(rec, xs, w, reps, **call))
+        r, y = with_stage(staged, lambda: ours(rec, xs, w, reps, **call), rec)
         base = y if base is None else base
         r["err_vs_default"] = rel(y, base)
         row["runs"][label] = r
@@ -104,7 +109,7 @@ def tanh_case(reps, rng, bandwidth):
     moved = 2 * x.nbytes  # read x, write y
     for staged in (True, False):
         f = lambda: tanh_rnn(x, wd, backend="cuda", schedule="sequential")
-        t = with_stage(staged, lambda: (mx.eval(f()), time_mlx(f, reps))[1])
+        t = with_stage(staged, lambda: (mx.eval(f()), time_mlx(f, reps))[1], tanh_rnn)
         row["runs"]["ours-sequential" + ("" if staged else "-unstaged")] = dict(
             fwd=t, bytes=moved, fraction_of_copy_bandwidth=moved / t / bandwidth)
     print(row, flush=True)
@@ -166,8 +171,12 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--only", default=None, choices=["gated_delta", "tanh", "decode", "gla", "bf16"],
                    help="run one group of cases")
+    p.add_argument("--threads", default="",
+                   help="comma-separated threads per group to time as extra variants")
     args = p.parse_args()
     run = lambda group: args.only in (None, group)  # noqa: E731
+    for t in filter(None, args.threads.split(",")):
+        VARIANTS.append((f"ours-sequential-threads{t}", True, dict(threads=int(t))))
     rng = np.random.default_rng(0)
     x = mx.random.normal((1 << 28,))
     bandwidth = 2 * x.nbytes / time_mlx(lambda: x + 1.0, 10)
