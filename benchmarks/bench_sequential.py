@@ -173,10 +173,13 @@ def main():
                    help="run one group of cases")
     p.add_argument("--threads", default="",
                    help="comma-separated threads per group to time as extra variants")
+    p.add_argument("--seg", default="", help="comma-separated checkpoint intervals, likewise")
     args = p.parse_args()
     run = lambda group: args.only in (None, group)  # noqa: E731
     for t in filter(None, args.threads.split(",")):
         VARIANTS.append((f"ours-sequential-threads{t}", True, dict(threads=int(t))))
+    for n in filter(None, args.seg.split(",")):
+        VARIANTS.append((f"ours-sequential-seg{n}", True, dict(seg=int(n))))
     rng = np.random.default_rng(0)
     x = mx.random.normal((1 << 28,))
     bandwidth = 2 * x.nbytes / time_mlx(lambda: x + 1.0, 10)
