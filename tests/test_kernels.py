@@ -357,3 +357,24 @@ def test_lane_reductions_across_groups_and_in_rounds(backend, case):
     second = _check_against_reference(rec, inputs, [h0], backend, **call)
     for a, b in zip([*first[0], *first[1]], [*second[0], *second[1]]):
         assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_with_its_own_groups(backend):
+    """The sequential backward of a lane-reduced spec picks smaller groups than the forward
+    (partial sums per group); the forward's checkpoints serve it unchanged."""
+    from mlx_recgen.render.dialects import DIALECTS
+    from mlx_recgen.schedule import make_schedule
+
+    rec = rg.load_spec("gated_deltanet")
+    sizes = dict(B=1, L=7, H=2, K=16, V=64)
+    cap = DIALECTS[backend].max_threads
+    fwd = make_schedule(rec.spec, sizes, 4, max_threads=cap)
+    bwd = make_schedule(rec.spec, sizes, 4, max_threads=cap, sweep="backward")
+    assert (fwd.threads, fwd.groups_per_instance) == (256, 1)
+    assert bwd.threads == 128 and bwd.groups_per_instance == 2
+    b, L, H, K, V = 1, 7, 2, 16, 64
+    q, k = (mx.random.normal((b, L, H, K)) * 0.4 for _ in range(2))
+    inputs = [q, k, mx.random.normal((b, L, H, V)), mx.random.normal((b, L, H)) * 0.3,
+              mx.random.normal((b, L, H)) * 0.5]
+    _check_against_reference(rec, inputs, [mx.random.normal((b, H, K, V)) * 0.5], backend, seg=4)

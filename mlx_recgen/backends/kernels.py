@@ -159,13 +159,13 @@ class KernelBackend:
         return self._kernels[key]
 
     # -- shapes ----------------------------------------------------------------------------------
-    def _schedule(self, sizes, seg, threads, kind="sequential", split=None):
+    def _schedule(self, sizes, seg, threads, kind="sequential", split=None, sweep="forward"):
         # memoised: a decode step (L = 1) is dominated by such fixed costs per call
-        key = (tuple(sorted(sizes.items())), seg, threads, kind, split)
+        key = (tuple(sorted(sizes.items())), seg, threads, kind, split, sweep)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
                                                  max_threads=self.dialect.max_threads,
-                                                 split=split)
+                                                 split=split, sweep=sweep)
         return self._schedules[key]
 
     def _launch(self, sizes, schedule, outer=1):
@@ -259,7 +259,7 @@ class KernelBackend:
             return self._backward_chunked(inputs, states, residuals, d_outputs, d_finals, sizes,
                                           seg, threads, split)
         spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads, split=split)
+        sch = self._schedule(sizes, seg, threads, split=split, sweep="backward")
         instances, grid, group = self._launch(sizes, sch)
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         kernel = self.kernel("backward", sch, dtypes)
@@ -391,7 +391,8 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
     if spec.state_axis:
         sizes[spec.state_axis] = state_size
     impl = KernelBackend(rec, backend)
-    sch = impl._schedule(sizes, seg, threads, kind=schedule, split=split)
+    sch = impl._schedule(sizes, seg, threads, kind=schedule, split=split,
+                         sweep="backward" if kind == "backward" else "forward")
     names = impl.buffers(kind, sch)
     ids = impl.ids
     by_name = {ids["buffer", t.name]: t for t in spec.inputs.values()}
