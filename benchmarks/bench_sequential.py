@@ -165,6 +165,12 @@ def decode_case(reps, rng):
     return row
 
 
+def mlx_copy_bandwidth():
+    """Bytes read + written per second by MLX's ``x + 1`` over a 1 GiB array."""
+    x = mx.random.normal((1 << 28,))
+    return 2 * x.nbytes / time_mlx(lambda: x + 1.0, 10)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench-sequential.json")
@@ -181,9 +187,7 @@ def main():
     for n in filter(None, args.seg.split(",")):
         VARIANTS.append((f"ours-sequential-seg{n}", True, dict(seg=int(n))))
     rng = np.random.default_rng(0)
-    x = mx.random.normal((1 << 28,))
-    bandwidth = 2 * x.nbytes / time_mlx(lambda: x + 1.0, 10)
-    del x
+    bandwidth = mlx_copy_bandwidth()
     result = dict(date=str(datetime.date.today()), versions=versions(),
                   copy_bandwidth_mlx=bandwidth, rows=[])
 

@@ -284,9 +284,7 @@ def state_split(spec: Spec, sizes: dict, kind: str, split=None) -> int:
         return split
     if kind != "sequential" or ns == 1:
         return 1
-    threads = -(-sizes[spec.lane] // 32) * 32
-    for b in spec.batch_axes:
-        threads *= sizes[b]
+    threads = _lane_width(spec, sizes)
     parts = 1
     while (threads * parts < SPLIT_TARGET_THREADS and parts < SPLIT_MAX
            and ns % (parts * 2) == 0 and ns // (parts * 2) >= SPLIT_MIN_STATE):

@@ -51,3 +51,25 @@ KERNEL_BACKENDS = [
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not cuda_available(), reason="MLX has no CUDA backend on this machine")]),
 ]
+
+
+def check_vmap_compositions(call, ref, xs, unbatched, want=None):
+    """``mx.vmap`` of ``unbatched(call)`` over the leading axis of ``xs`` against ``want`` (the
+    vmap of ``unbatched(ref)`` when None); then ``mx.grad`` of the vmap and per-example
+    gradients (``mx.vmap`` of ``mx.grad``) against the same compositions of ``ref``."""
+    y = mx.vmap(unbatched(call))(*xs)
+    want = mx.vmap(unbatched(ref))(*xs) if want is None else want
+    assert rel_err(y, want) < 1e-5
+    w = mx.random.normal(y.shape)
+    argnums = tuple(range(len(xs)))
+    got = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(call))(*a) * w), argnums)(*xs)
+    want_grads = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(ref))(*a) * w), argnums)(*xs)
+    for g, r in zip(got, want_grads):
+        assert rel_err(g, r) < 1e-4
+
+    def per_example_grad(f):
+        return mx.vmap(lambda wi, *a: mx.grad(lambda *b: mx.sum(unbatched(f)(*b) * wi),
+                                              argnums)(*a))
+
+    for g, r in zip(per_example_grad(call)(w, *xs), per_example_grad(ref)(w, *xs)):
+        assert rel_err(g, r) < 1e-4

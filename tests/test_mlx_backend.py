@@ -3,6 +3,8 @@ under MLX autodiff): ``mx.grad`` of the whole call, ``mx.compile`` (a new ``L`` 
 ``mx.compile(shapeless=True)`` (never a silently wrong result), ``mx.vmap`` and its compositions
 with ``mx.grad``; and the split of the step programs that the backend runs."""
 
+import os
+
 import mlx.core as mx
 import pytest
 
@@ -10,7 +12,7 @@ import mlx_recgen as rg
 from mlx_recgen import Sum
 from mlx_recgen.ir import Accumulate, Assign, Store
 from mlx_recgen.phases import split
-from conftest import rel_err
+from conftest import check_vmap_compositions, rel_err
 
 
 @rg.recurrence(lane="V", state={"S": "B H K V"},
@@ -23,20 +25,9 @@ def gated_delta(S, q, k, v, alpha, beta, i):
     return {"o": Sum(q[i] * S[i], i)}
 
 
-@rg.recurrence(lane="V", state={"C": "B H K V", "nrm": "B H K V", "m": "B H V"},
-               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "ipre": "B L H",
-                       "fpre": "B L H"},
-               outputs={"h": "B L H V"})
-def mlstm(C, nrm, m, q, k, v, ipre, fpre, i):
-    logf = -rg.softplus(-fpre)
-    m_new = rg.maximum(logf + m, ipre)
-    ig = rg.exp(ipre - m_new)
-    fg = rg.exp(logf + m - m_new)
-    C[i] = fg * C[i] + ig * v * k[i]
-    nrm[i] = fg * nrm[i] + ig * k[i]
-    m = m_new
-    den = rg.maximum(rg.abs(Sum(nrm[i] * q[i], i)), rg.exp(-m))
-    return {"h": Sum(C[i] * q[i], i) / den}
+# the stabilised mLSTM with its normaliser per value channel, as the benchmarks time it
+mlstm = rg.load_spec(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
+                                  "specs", "mlstm.py"))
 
 
 def _inputs(rec, L, B=2, H=2, K=3, V=4):
@@ -138,23 +129,8 @@ def test_vmap_and_its_compositions_with_grad():
     def unbatched(f):
         return lambda *a: f(*(x[None] for x in a))[0]
 
-    y = mx.vmap(unbatched(call))(*xs)
     want = mx.stack([rec.reference(*p)[0] for p in per])
-    assert rel_err(y, want) < 1e-5
-
-    w = mx.random.normal(y.shape)
-    argnums = tuple(range(len(xs)))
-    grad_of_vmap = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(call))(*a) * w), argnums)(*xs)
-    want_grads = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(ref))(*a) * w), argnums)(*xs)
-    for g, r in zip(grad_of_vmap, want_grads):
-        assert rel_err(g, r) < 1e-4
-
-    def per_example_grad(f):
-        return mx.vmap(lambda wi, *a: mx.grad(lambda *b: mx.sum(unbatched(f)(*b) * wi),
-                                              argnums)(*a))
-
-    for g, r in zip(per_example_grad(call)(w, *xs), per_example_grad(ref)(w, *xs)):
-        assert rel_err(g, r) < 1e-4
+    check_vmap_compositions(call, ref, xs, unbatched, want)
 
 
 def test_only_the_carry_chain_runs_per_step():

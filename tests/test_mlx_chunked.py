@@ -11,7 +11,7 @@ import mlx_recgen as rg
 from mlx_recgen import Sum, sigmoid, tanh, where
 from mlx_recgen import schedule
 from mlx_recgen.schedule import choose
-from conftest import rel_err
+from conftest import check_vmap_compositions, rel_err
 from references import INPUTS
 
 TOL = 2e-5
@@ -188,21 +188,7 @@ def test_vmap_and_its_compositions_with_grad(name):
     def unbatched(f):  # the first output and the first final state of one example
         return lambda *a: (lambda r: r[0][0] + mx.sum(r[-1][0]))(f(*(x[None] for x in a)))
 
-    y = mx.vmap(unbatched(call))(*xs)
-    assert rel_err(y, mx.vmap(unbatched(ref))(*xs)) < 1e-5
-    w = mx.random.normal(y.shape)
-    argnums = tuple(range(len(xs)))
-    got = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(call))(*a) * w), argnums)(*xs)
-    want = mx.grad(lambda *a: mx.sum(mx.vmap(unbatched(ref))(*a) * w), argnums)(*xs)
-    for g, r in zip(got, want):
-        assert rel_err(g, r) < 1e-4
-
-    def per_example_grad(f):
-        return mx.vmap(lambda wi, *a: mx.grad(lambda *b: mx.sum(unbatched(f)(*b) * wi),
-                                              argnums)(*a))
-
-    for g, r in zip(per_example_grad(call)(w, *xs), per_example_grad(ref)(w, *xs)):
-        assert rel_err(g, r) < 1e-4
+    check_vmap_compositions(call, ref, xs, unbatched)
 
 
 def test_second_order():
