@@ -378,3 +378,21 @@ def test_backward_with_its_own_groups(backend):
     inputs = [q, k, mx.random.normal((b, L, H, V)), mx.random.normal((b, L, H)) * 0.3,
               mx.random.normal((b, L, H)) * 0.5]
     _check_against_reference(rec, inputs, [mx.random.normal((b, H, K, V)) * 0.5], backend, seg=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lane_reductions_stop_at_partial_sums(backend):
+    """Each simdgroup leaves SP partial sums per reduced value (1 < SP < 32: some shuffle levels,
+    not all) for the threadgroup stage to add up, with the state split over parts."""
+    from mlx_recgen.schedule import make_schedule
+
+    rec = rg.load_spec("gated_deltanet")
+    sizes = dict(B=1, L=6, H=1, K=16, V=64)
+    sch = make_schedule(rec.spec, sizes, 4, threads=256, split=4)
+    assert 1 < sch.simd_partials < 32 and sch.parts == 4
+    b, L, H, K, V = 1, 6, 1, 16, 64
+    q, k = (mx.random.normal((b, L, H, K)) * 0.4 for _ in range(2))
+    inputs = [q, k, mx.random.normal((b, L, H, V)), mx.random.normal((b, L, H)) * 0.3,
+              mx.random.normal((b, L, H)) * 0.5]
+    _check_against_reference(rec, inputs, [mx.random.normal((b, H, K, V)) * 0.5], backend, seg=4,
+                             threads=256, split=4)
