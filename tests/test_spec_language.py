@@ -128,13 +128,20 @@ def normalised_linear_attention_ref(q, k, v, S0, z0):
 SHARED_SIZES = [(2, 13, 2, 3, 5, 4, None), (1, 9, 1, 4, 40, 3, None), (2, 7, 2, 3, 40, 2, 32)]
 
 
-@pytest.mark.parametrize("backend, schedule", RUNS)
-@pytest.mark.parametrize("sizes", SHARED_SIZES, ids=lambda s: "b{}-L{}-H{}-K{}-V{}-seg{}-tg{}".format(*s))
+def _with_threads(runs, options, threads, ids):
+    """Every run with every option whose ``threads(option)`` it takes: threads= applies to the
+    kernel backends only."""
+    return [pytest.param(*r.values, *o, marks=r.marks, id=f"{ids(o)}-{r.id}")
+            for o in options for r in runs
+            if not (threads(o) and r.values[0] in ("mlx", "reference"))]
+
+
+@pytest.mark.parametrize("backend, schedule, sizes", _with_threads(
+    RUNS, [(s,) for s in SHARED_SIZES], lambda o: o[0][-1],
+    lambda o: "b{}-L{}-H{}-K{}-V{}-seg{}-tg{}".format(*o[0])))
 def test_linear_attention_with_shared_normaliser(backend, schedule, sizes):
     """The normaliser z [B, H, K] is shared by the value lanes: no copy per lane."""
     b, L, H, K, V, seg, threads = sizes
-    if backend in ("mlx", "reference") and threads:
-        pytest.skip("threads= applies to the kernel backends")
     # q and k are feature maps' outputs (positive), so the normaliser stays away from zero
     inputs = [_uniform((b, L, H, K), 0.2, 1.0), _uniform((b, L, H, K), 0.2, 1.0),
               _normal((b, L, H, V))]
@@ -167,13 +174,12 @@ def shared_feeds_lanes_ref(k, v, g, S0, z0, c0):
     return [mx.stack(outs, axis=1)], [S, z, c]
 
 
-@pytest.mark.parametrize("backend, schedule", RUNS)
-@pytest.mark.parametrize("threads", [None, 32])
+@pytest.mark.parametrize("backend, schedule, threads",
+                         _with_threads(RUNS, [(None,), (32,)], lambda o: o[0],
+                                       lambda o: f"tg{o[0]}"))
 def test_lane_state_reading_shared_states(backend, schedule, threads):
     """The chunked carry carries the block {S, z} per lane; z's adjoint gets a share from every
     lane's S; c's from every lane's output."""
-    if backend in ("mlx", "reference") and threads:
-        pytest.skip("threads= applies to the kernel backends")
     b, L, K, V = 2, 13, 3, 37
     inputs = [_normal((b, L, K)), _normal((b, L, V)), _normal((b, L))]
     states = [_normal((b, K, V)), _normal((b, K)), _normal((b,))]
