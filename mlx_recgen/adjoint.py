@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from .ir import (Accumulate, Assign, Program, Store, StepIR, _loop, cse_block, free_symbols,
-                 loop_symbols, schedule_forward)
+from .ir import (Accumulate, Assign, Program, Store, StepIR, is_vector, _loop, cse_block,
+                 free_symbols, loop_symbols, schedule_forward)
 from .simplify import simplify_derivative
 
 
@@ -72,6 +72,20 @@ def derive(ir: StepIR) -> Adjoint:
         terms += [sbar[r.target] * _grad(r.body, z) for r in reductions]
         return sympy.Add(*terms)
 
+    # Accumulated sums, by summand: Σ_n c·f(n) is kept as c · Σ_n f(n) (c free of n), so
+    # sums that differ only in such a factor are accumulated once (a delta rule's dβ, dv and
+    # the adjoint of <S, k> all sum k(n)·(λ(n) + ȳ q(n)))
+    sums = {}
+
+    def accumulated(e, name, pairs):
+        """``e`` summed over the state axis: an accumulator times a factor free of ``n``; a new
+        accumulator joins ``pairs`` unless one with this summand exists."""
+        factor, summand = _sum_factor(e, vector)
+        if summand not in sums:
+            sums[summand] = namer(name)
+            pairs.append(((lambda e, a=sums[summand]: Accumulate(a, e)), summand))
+        return factor * sums[summand]
+
     statements = []
     sbar = {}
     for level in reversed(range(ir.levels)):
@@ -87,9 +101,8 @@ def derive(ir: StepIR) -> Adjoint:
             if acc == 0:
                 finals.append(Assign(sbar[r.target], direct(r.target)))
             else:
-                a = namer(f"acc_{r.target}")
-                loop_pairs.append(((lambda e, a=a: Accumulate(a, e)), acc))
-                finals.append(Assign(sbar[r.target], direct(r.target) + a))
+                total = accumulated(acc, f"acc_{r.target}", loop_pairs)
+                finals.append(Assign(sbar[r.target], direct(r.target) + total))
         statements += _loop(loop_pairs, vector, namer, prefix="u") + finals
 
     # Leaves: old states and inputs.
@@ -103,9 +116,7 @@ def derive(ir: StepIR) -> Adjoint:
         else:
             d = direct(z)
             if pw != 0:
-                a = namer(f"acc_{z}")
-                loop_pairs.append(((lambda e, a=a: Accumulate(a, e)), pw))
-                d = d + a
+                d = d + accumulated(pw, f"acc_{z}", loop_pairs)
             scalar_pairs.append(((lambda e, kind=kind, slot=slot: Store(kind, slot, e)), d))
     statements += _loop(loop_pairs, vector, namer, prefix="v")
     temps, stores = cse_block(scalar_pairs, namer, prefix="w")
@@ -117,6 +128,18 @@ def derive(ir: StepIR) -> Adjoint:
     statements = (recompute.statements if recompute else []) + statements
     program = Program(statements, frozenset(vector | loop_symbols(statements)))
     return Adjoint(program, ybar, lam)
+
+
+def _sum_factor(e, vector):
+    """``(c, f)`` with ``e == c * f`` and ``c`` free of the per-element symbols ``vector``
+    (``(1, e)`` where no such factor comes out): the common factors of ``e``'s terms, pulled
+    out by ``factor_terms``."""
+    factored = sympy.factor_terms(e)
+    factor = [a for a in sympy.Mul.make_args(factored) if not is_vector(a, vector)]
+    summand = [a for a in sympy.Mul.make_args(factored) if is_vector(a, vector)]
+    if not factor or not summand:
+        return sympy.Integer(1), e
+    return sympy.Mul(*factor), sympy.Mul(*summand)
 
 
 def _needed_reductions(ir: StepIR, statements):

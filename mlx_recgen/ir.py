@@ -177,7 +177,7 @@ def lower(spec: Spec) -> StepIR:
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_vector(expr, vector) -> bool:
+def is_vector(expr, vector) -> bool:
     return bool(expr.free_symbols & vector)
 
 
@@ -192,14 +192,14 @@ def split_invariants(exprs, vector, namer, prefix="c"):
     def visit(e):
         if e.is_Atom:
             return e
-        if not _is_vector(e, vector):
+        if not is_vector(e, vector):
             if e not in hoisted:
                 hoisted[e] = namer(f"{prefix}{len(hoisted)}")
                 order.append(e)
             return hoisted[e]
         if isinstance(e, (sympy.Add, sympy.Mul)):
-            scal = [a for a in e.args if not _is_vector(a, vector)]
-            vec = [a for a in e.args if _is_vector(a, vector)]
+            scal = [a for a in e.args if not is_vector(a, vector)]
+            vec = [a for a in e.args if is_vector(a, vector)]
             parts = [visit(a) for a in vec]
             if scal:
                 parts.append(visit(e.func(*scal)))
