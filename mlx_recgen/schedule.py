@@ -17,7 +17,8 @@ Mapping: one thread per (instance, lane). The lanes of one instance are padded t
 them (instances are folded into x, so no grid dimension limit caps the batch).
 
 Gradients reduced over lanes (of inputs without the lane axis) are summed in-kernel over the
-lanes of each threadgroup: ``simd_sum``, then threadgroup memory across simdgroups. When all
+lanes of each threadgroup: shuffles within a simdgroup (``LC`` values of a thread at once, see
+``Schedule.lane_chunk``), then threadgroup memory across simdgroups. When all
 lanes of an instance fit in one group (at most 1024 threads; 256 on CUDA, see
 ``Dialect.max_threads``), that is the whole sum; otherwise each group writes its partial sum along a leading axis of the gradient buffer and an MLX sum over that axis
 finishes it after the kernel (deterministic: no atomics). Threadgroup memory holds at most
@@ -72,6 +73,7 @@ SPLIT_TARGET_THREADS = 1 << 15
 # many threads (see make_schedule).
 BACKWARD_MAX_THREADS = 128
 SPLIT_MAX = 8
+LANE_CHUNK_MAX = 8
 SPLIT_MIN_STATE = 4
 CHUNKED_HISTORY_FLOATS = 1024
 CHUNKED_MIN_SEG = 8
@@ -108,7 +110,7 @@ class Schedule:
     time_rounds: bool = False  # per-step lane reductions in rounds inside the state loop
     stage_steps: int = 0  # TILE: steps of the lane-shared inputs staged at once (0: none)
     stage_floats: int = 0  # floats of lane-shared inputs per step
-    simd_partials: int = 1  # SP: partial sums per simdgroup of a lane reduction
+    lane_chunk: int = 1  # LC: values of a thread summed over lanes at once (see lane_chunk)
     parts: int = 1  # PARTS: threads per lane, each holding NS / PARTS of the state (split)
 
     @property
@@ -128,12 +130,12 @@ class Schedule:
     @property
     def shared_rows(self) -> int:
         """Rows of the threadgroup reduction buffer (``reduction_floats``): a column per
-        simdgroup and partial sum, plus one of padding."""
-        return self.reduction_floats // (self.simdgroups * self.simd_partials + 1)
+        simdgroup, plus one of padding."""
+        return self.reduction_floats // (self.simdgroups + 1)
 
     def template(self):
         return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads),
-                ("TILE", self.stage_steps), ("SP", self.simd_partials), ("PARTS", self.parts)]
+                ("TILE", self.stage_steps), ("LC", self.lane_chunk), ("PARTS", self.parts)]
 
 
 def history_rows(spec: Spec, state_size: int) -> int:
@@ -147,6 +149,18 @@ def staged_floats(spec: Spec, state_size: int) -> int:
     without the lane axis (``state_size`` per component with the state axis, else 1)."""
     return sum(t.components * (state_size if t.has_state_axis else 1)
                for t in spec.inputs.values() if t.has_time and not t.has_lane)
+
+
+def lane_chunk(state_per_thread: int) -> int:
+    """``LC``: how many of a thread's per-element values a lane reduction sums at once, the
+    largest power of two up to ``LANE_CHUNK_MAX`` dividing ``state_per_thread``. Summed one at a
+    time, a value takes a shuffle per level of the simdgroup (5 levels without a split); summed
+    ``LC`` at once, the lanes exchange halves of the chunk (``recgen_lane_scatter``): for
+    ``LC = 8`` and 5 levels, 9 shuffles per 8 values instead of 40, and ``LC`` more registers."""
+    chunk = 1
+    while chunk < LANE_CHUNK_MAX and state_per_thread % (chunk * 2) == 0:
+        chunk *= 2
+    return chunk
 
 
 def stage_steps(seg: int, floats: int) -> int:
@@ -357,20 +371,7 @@ def _make_schedule(spec, sizes, seg, threads, kind, max_threads, parts) -> Sched
         if parts > 1:
             raise _SplitMisfit("needs every per-step lane reduction in threadgroup memory at once")
         return replace(sch, time_rounds=True)
-    # A lane reduction sums 32 lanes by 5 shuffle levels; stopping after fewer leaves
-    # ``simd_partials`` sums per simdgroup for the threadgroup stage to add up: per value,
-    # 5 - log2(SP) shuffles instead of 5, in the steps' critical path, for a few more
-    # threadgroup-memory reads by the (otherwise idle) threads of the final sum.
-    # With a split state, the lanes of a partial sum must hold the same state elements:
-    # SP is a multiple of PARTS.
-    rows = vector * ns + scalar
-    partials = parts
-    while partials < 32 and rows * (sch.simdgroups * partials * 2 + 1) <= sch.reduction_floats:
-        partials *= 2
-    if rows and rows * (sch.simdgroups * partials + 1) > sch.reduction_floats:
-        raise _SplitMisfit("leaves too little threadgroup memory for the per-step lane "
-                           "reductions")
-    return replace(sch, simd_partials=partials)
+    return replace(sch, lane_chunk=lane_chunk(ns // parts))
 
 
 class MetaLayout:

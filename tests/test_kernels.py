@@ -380,19 +380,32 @@ def test_backward_with_its_own_groups(backend):
     _check_against_reference(rec, inputs, [mx.random.normal((b, H, K, V)) * 0.5], backend, seg=4)
 
 
+# (K, split): lanes per simdgroup 32 / split; LC values per thread summed at once (schedule.lane_chunk)
+LANE_CHUNK_CASES = [
+    (64, 8),  # LC 8 over 4 lanes: each thread ends with 2 of the sums
+    (16, 4),  # LC 4 over 8 lanes: the last level adds whole values, 2 lanes hold each sum
+    (16, 1),  # LC 8 over 32 lanes: 4 lanes hold each sum
+    (6, 1),  # LC 2
+    (5, 1),  # LC 1: one value at a time
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_lane_reductions_stop_at_partial_sums(backend):
-    """Each simdgroup leaves SP partial sums per reduced value (1 < SP < 32: some shuffle levels,
-    not all) for the threadgroup stage to add up, with the state split over parts."""
+@pytest.mark.parametrize("K,split", LANE_CHUNK_CASES)
+def test_lane_reductions_in_chunks(backend, K, split):
+    """A thread's values of a lane-reduced gradient are summed over lanes LC at a time, the sums
+    left spread over the lanes (``recgen_lane_scatter``): every chunk size against the number
+    of lanes in a simdgroup, with and without a split state."""
     from mlx_recgen.schedule import make_schedule
 
     rec = rg.load_spec("gated_deltanet")
-    sizes = dict(B=1, L=6, H=1, K=16, V=64)
-    sch = make_schedule(rec.spec, sizes, 4, threads=256, split=4)
-    assert 1 < sch.simd_partials < 32 and sch.parts == 4
-    b, L, H, K, V = 1, 6, 1, 16, 64
+    b, L, H, V = 1, 6, 1, 64
+    sch = make_schedule(rec.spec, dict(B=b, L=L, H=H, K=K, V=V), 4, split=split,
+                        sweep="backward")
+    per_thread = K // split
+    assert sch.parts == split and sch.lane_chunk == min(8, per_thread & -per_thread)
     q, k = (mx.random.normal((b, L, H, K)) * 0.4 for _ in range(2))
     inputs = [q, k, mx.random.normal((b, L, H, V)), mx.random.normal((b, L, H)) * 0.3,
               mx.random.normal((b, L, H)) * 0.5]
     _check_against_reference(rec, inputs, [mx.random.normal((b, H, K, V)) * 0.5], backend, seg=4,
-                             threads=256, split=4)
+                             split=split)

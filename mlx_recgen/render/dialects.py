@@ -21,6 +21,8 @@ class Dialect:
     barrier: str  # group-wide barrier on shared memory
     simd_shuffle_xor: str  # (value, lane mask): the value of lane ``simd_lane ^ mask``
     function: str  # qualifier of helper functions
+    unroll: str  # a pragma that fully unrolls the loop it precedes
+    private: str  # address space (with its space) of a pointer to a thread's own array
     int64: str
     uint: str
     infinity: str  # a float constant expression for +inf (-inf prints as "-" + this)
@@ -48,6 +50,8 @@ METAL = Dialect(
     barrier="threadgroup_barrier(mem_flags::mem_threadgroup)",
     simd_shuffle_xor="simd_shuffle_xor",
     function="inline",
+    unroll="#pragma clang loop unroll(full)",
+    private="thread ",
     int64="int64_t",
     uint="uint",
     infinity="INFINITY",  # <metal_math> constants (also in MLX's utils.h)
@@ -72,6 +76,8 @@ CUDA = Dialect(
     barrier="__syncthreads()",
     simd_shuffle_xor="recgen_shuffle_xor",
     function="__device__ inline",
+    unroll="#pragma unroll",
+    private="",
     int64="int64_t",
     uint="unsigned int",
     infinity="__int_as_float(0x7f800000)",  # NVRTC has no <math.h>: the bit patterns

@@ -147,7 +147,8 @@ class StepWriter:
         """C lines of a program; ``route(store, value, in_loop, pad)`` gives the lines that use a
         stored value now and those deferred to the end of the step (or of the loop iteration):
         a new state or adjoint is committed only after every read of the old one.
-        ``loop_end(loop, pad)`` gives lines that close each loop iteration."""
+        ``loop_end(loop, pad)`` gives lines that close each loop iteration; a loop with such
+        lines is unrolled (they index thread arrays by the loop's counter)."""
         lines, deferred = [], []
         stores = itertools.count()
 
@@ -171,6 +172,9 @@ class StepWriter:
             inner, loop_deferred = pad + "  ", []
             lines += [f"{pad}float {self.names[b.target]} = 0.0f;"
                       for b in st.body if isinstance(b, Accumulate)]
+            closing = loop_end(st, inner) if loop_end else []
+            if closing:
+                lines.append(f"{pad}{self.dialect.unroll}")
             if self.split:
                 lines += [f"{pad}for (int m = 0; m < NSP; ++m) {{",
                           f"{pad}  const int n = part + PARTS * m;"]
@@ -180,8 +184,7 @@ class StepWriter:
                       for s in sorted(free_symbols(st.body), key=str) if s in self.vector_inputs]
             for b in st.body:
                 emit(b, inner, True, lines, loop_deferred)
-            lines += loop_deferred
-            lines += loop_end(st, inner) if loop_end else []
+            lines += loop_deferred + closing
             lines.append(f"{pad}}}")
             if self.split:  # every part holds the whole sum: the sum over the lane's parts
                 lines += [f"{pad}{self.names[b.target]} = recgen_part_sum("
@@ -353,6 +356,9 @@ class KernelRenderer:
         # (n % ROUND) * len(loop_rows) + k and are reduced inside the state loop, every ROUND
         # iterations; the scalar ones keep their rows in time_rows, reduced after the step
         loop_rows = {}
+        # otherwise they are summed over lanes LC values at a time: (tensor, component) -> the
+        # thread's array of the current chunk
+        chunk_arrays = {}
 
         def route(store, value, in_loop, pad):
             if store.kind == "lambda":
@@ -370,14 +376,42 @@ class KernelRenderer:
                 masked = value if t.has_lane and in_loop else f"({ok} ? {value} : 0.0f)"
                 return [f"{pad}{name}[{idx if in_loop else 0}] += {masked};"], []
             # shared, time-varying: reduce over lanes this step
+            if in_loop and (t.name, c) in chunk_arrays:  # with the chunk's other values
+                return [f"{pad}{chunk_arrays[(t.name, c)]}[{idx} % LC] = {ok} ? {value} : 0.0f;"], []
             if (t.name, c) in loop_rows:
-                row = f"(n % ROUND) * {len(loop_rows)} + {list(loop_rows).index((t.name, c))}"
+                row, at = f"(n % ROUND) * {len(loop_rows)} + {list(loop_rows).index((t.name, c))}", ""
             else:
-                row = f"{time_rows[(t.name, c)].offset} + {n_idx}"
+                row, at = f"{time_rows[(t.name, c)].offset} + {n_idx}", "red_step + "
+            # one value: whole lanes (part 0 holds a value outside the state loop)
+            writer = "writes" if in_loop else "writes && part == 0"
             return [f"{pad}{{",
-                    f"{pad}  const float lanes_sum = recgen_simd_partial({ok} ? {value} : 0.0f, SP);",
-                    f"{pad}  if (simd_lane < SP) {{ red[({row}) * RED_STRIDE + simd_group * SP + simd_lane] = lanes_sum; }}",
+                    f"{pad}  float lanes_sum = {ok} ? {value} : 0.0f;",
+                    f"{pad}  const bool writes = recgen_lane_scatter<1, PARTS>(&lanes_sum, simd_lane) >= 0;",
+                    f"{pad}  if ({writer}) {{ red[{at}({row}) * RED_STRIDE + simd_group] = lanes_sum; }}",
                     f"{pad}}}"], []
+
+        def loop_end(loop, pad):
+            return round_end(loop, pad) + chunk_end(loop, pad)
+
+        def chunk_end(loop, pad):
+            """The lane sums of the last LC values of the gradients reduced in chunks."""
+            arrays = [(chunk_arrays[key], time_rows[key].offset) for key in chunk_arrays
+                      if any(isinstance(b, Store) and b.kind == "grad"
+                             and (b.slot.tensor, b.slot.component) == key for b in loop.body)]
+            if not arrays:
+                return []
+            element = "part + PARTS * e" if writer.split else "e"
+            lines = [f"{pad}if (({idx} + 1) % LC == 0) {{  // a chunk of LC values is complete",
+                     f"{pad}  const int e0 = {idx} + 1 - LC;"]
+            for array, offset in arrays:
+                lines += [f"{pad}  {{",
+                          f"{pad}    const int first = recgen_lane_scatter<LC, PARTS>({array}, simd_lane);",
+                          f"{pad}    for (int i = 0; i < LC_HELD; ++i) {{",
+                          f"{pad}      const int e = e0 + first + i;",
+                          f"{pad}      if (first >= 0) {{ red[red_step + ({offset} + {element}) * RED_STRIDE + simd_group] = {array}[i]; }}",
+                          f"{pad}    }}",
+                          f"{pad}  }}"]
+            return lines + [f"{pad}}}"]
 
         def round_end(loop, pad):
             """The lane reductions of one round of the state loop (time_rounds only)."""
@@ -416,6 +450,8 @@ class KernelRenderer:
                         loop_rows[(t.name, c)] = target
                     else:
                         time_rows[(t.name, c)] = SharedSlot(rows(time_rows), size, target)
+                        if t.has_state_axis:
+                            chunk_arrays[(t.name, c)] = f"lane_chunk_{len(chunk_arrays)}"
 
         recompute = _without_outputs(self.rec.forward_program)
 
@@ -458,7 +494,7 @@ class KernelRenderer:
             recompute_loads=writer.step_loads(recompute, "      "),
             recompute=writer.program(recompute, _commit_state(spec, nm, idx), "      "),
             loads=writer.step_loads(program, "      "),
-            step=writer.program(program, route, "      ", loop_end=round_end),
+            step=writer.program(program, route, "      ", loop_end=loop_end),
             segment_in_grid=segment_in_grid, lambda_only=lambda_only,
             outer="segment" if segment_in_grid else None,
             # an adjoint that never reads the state (a state-affine update with outputs linear
@@ -466,7 +502,7 @@ class KernelRenderer:
             reads_state=reads_state,
             lam=lam, grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
-            time_count=rows(time_rows),
+            time_count=rows(time_rows), chunk_arrays=list(chunk_arrays.values()),
             param_count=rows(param_rows), loop_count=len(loop_rows),
             max_shared_floats=self.schedule.reduction_floats,
         )
