@@ -18,8 +18,8 @@ Cases (fp32 unless named):
 Each of our kernels is timed as chosen by default (lane-shared inputs staged in threadgroup
 memory, the state split over threads where instances x lanes are few) and, as ablations,
 without the split (``split=1``) and without staging either (``STAGE_MAX_BYTES = 0``); the
-kernels differ in their ``TILE`` and ``PARTS`` template arguments, so all stay compiled side by
-side.
+kernels differ in their template arguments, so all stay compiled side by side. ``--threads``,
+``--seg``, ``--split`` and ``--backward-threads`` add variants.
 """
 
 from __future__ import annotations
@@ -46,17 +46,20 @@ def tanh_rnn(h, x, w):
     return {"y": h}
 
 
-def with_stage(enabled, fn, rec=None):
-    """``fn()`` with staging off unless ``enabled``; the backend's memoised schedules of
-    ``rec`` are dropped before and after, so that neither setting reuses the other's."""
-    saved = schedule.STAGE_MAX_BYTES
-    schedule.STAGE_MAX_BYTES = saved if enabled else 0
+def with_schedule(constants, fn, rec=None):
+    """``fn()`` with the ``schedule`` module's ``constants`` (name -> value) set; the backend's
+    memoised schedules of ``rec`` are dropped before and after, so that no setting reuses
+    another's."""
+    saved = {k: getattr(schedule, k) for k in constants}
     forget = (lambda: rec._backend("cuda")._schedules.clear()) if rec is not None else (lambda: None)
     forget()
     try:
+        for k, v in constants.items():
+            setattr(schedule, k, v)
         return fn()
     finally:
-        schedule.STAGE_MAX_BYTES = saved
+        for k, v in saved.items():
+            setattr(schedule, k, v)
         forget()
 
 
@@ -70,9 +73,10 @@ def ours(rec, xs, w, reps, **call):
     return out, np.array(y.astype(mx.float32))
 
 
-# (label, lane-shared inputs staged, call options): the defaults, then ablations
-VARIANTS = [("ours-sequential", True, {}), ("ours-sequential-nosplit", True, dict(split=1)),
-            ("ours-sequential-nosplit-unstaged", False, dict(split=1))]
+# (label, schedule constants, call options): the defaults, then ablations
+UNSTAGED = dict(STAGE_MAX_BYTES=0)
+VARIANTS = [("ours-sequential", {}, {}), ("ours-sequential-nosplit", {}, dict(split=1)),
+            ("ours-sequential-nosplit-unstaged", UNSTAGED, dict(split=1))]
 
 
 def case(name, rec, shape, dtype, reps, rng, peers):
@@ -84,8 +88,8 @@ def case(name, rec, shape, dtype, reps, rng, peers):
     w = mx.array(w_np).astype(mdt)
     row = dict(spec=name, shape=shape, dtype=dtype, runs={})
     base = None
-    for label, staged, call in VARIANTS:
-        r, y = with_stage(staged, lambda: ours(rec, xs, w, reps, **call), rec)
+    for label, constants, call in VARIANTS:
+        r, y = with_schedule(constants, lambda: ours(rec, xs, w, reps, **call), rec)
         base = y if base is None else base
         r["err_vs_default"] = rel(y, base)
         row["runs"][label] = r
@@ -109,7 +113,8 @@ def tanh_case(reps, rng, bandwidth):
     moved = 2 * x.nbytes  # read x, write y
     for staged in (True, False):
         f = lambda: tanh_rnn(x, wd, backend="cuda", schedule="sequential")
-        t = with_stage(staged, lambda: (mx.eval(f()), time_mlx(f, reps))[1], tanh_rnn)
+        t = with_schedule({} if staged else UNSTAGED, lambda: (mx.eval(f()), time_mlx(f, reps))[1],
+                          tanh_rnn)
         row["runs"]["ours-sequential" + ("" if staged else "-unstaged")] = dict(
             fwd=t, bytes=moved, fraction_of_copy_bandwidth=moved / t / bandwidth)
     print(row, flush=True)
@@ -180,12 +185,20 @@ def main():
     p.add_argument("--threads", default="",
                    help="comma-separated threads per group to time as extra variants")
     p.add_argument("--seg", default="", help="comma-separated checkpoint intervals, likewise")
+    p.add_argument("--split", default="", help="comma-separated state splits, likewise")
+    p.add_argument("--backward-threads", default="",
+                   help="comma-separated caps of the sequential backward's own groups "
+                        "(schedule.BACKWARD_MAX_THREADS), likewise")
     args = p.parse_args()
     run = lambda group: args.only in (None, group)  # noqa: E731
     for t in filter(None, args.threads.split(",")):
-        VARIANTS.append((f"ours-sequential-threads{t}", True, dict(threads=int(t))))
+        VARIANTS.append((f"ours-sequential-threads{t}", {}, dict(threads=int(t))))
     for n in filter(None, args.seg.split(",")):
-        VARIANTS.append((f"ours-sequential-seg{n}", True, dict(seg=int(n))))
+        VARIANTS.append((f"ours-sequential-seg{n}", {}, dict(seg=int(n))))
+    for n in filter(None, args.split.split(",")):
+        VARIANTS.append((f"ours-sequential-split{n}", {}, dict(split=int(n))))
+    for t in filter(None, args.backward_threads.split(",")):
+        VARIANTS.append((f"ours-sequential-bwdthreads{t}", dict(BACKWARD_MAX_THREADS=int(t)), {}))
     rng = np.random.default_rng(0)
     bandwidth = mlx_copy_bandwidth()
     result = dict(date=str(datetime.date.today()), versions=versions(),
