@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from ..ir import Accumulate, Assign, Loop, Program, Store, free_symbols
+from ..ir import Accumulate, Assign, Loop, Program, Store, free_symbols, prune
 from ..resources import templates_dir
 from ..schedule import COMPONENT, LANE_GROUPS, LANES, SEGMENTS, MetaLayout, Schedule, members
 from ..spec import Slot
@@ -510,12 +510,6 @@ class KernelRenderer:
 
 
 def _without_outputs(program: Program) -> Program:
-    """The forward program with its output stores dropped (the backward's segment recompute)."""
-    stmts = []
-    for st in program.statements:
-        if isinstance(st, Store) and st.kind == "output":
-            continue
-        if isinstance(st, Loop):
-            st = Loop([b for b in st.body if not (isinstance(b, Store) and b.kind == "output")])
-        stmts.append(st)
-    return Program(stmts, program.vector)
+    """The forward program with its output stores, and what only they read, dropped (the
+    backward's segment recompute)."""
+    return prune(program, lambda store: store.kind != "output")
