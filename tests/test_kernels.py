@@ -409,3 +409,26 @@ def test_lane_reductions_in_chunks(backend, K, split):
               mx.random.normal((b, L, H)) * 0.5]
     _check_against_reference(rec, inputs, [mx.random.normal((b, H, K, V)) * 0.5], backend, seg=4,
                              split=split)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_staged_tiles_prefetched_in_both_directions(backend, monkeypatch):
+    """Tiles of 2 steps: several per segment, a partial last segment (L = 13, seg = 8), so the
+    next tile is loaded into registers while one computes, in the forward, the backward's
+    recompute (oldest first) and its adjoint sweep (newest first)."""
+    import mlx_recgen.schedule as schedule
+
+    monkeypatch.setattr(schedule, "STAGE_MAX_STEPS", 2)
+    rec = rg.load_spec("gated_deltanet")
+    b, L, H, K, V = 1, 13, 2, 16, 32
+    assert schedule.make_schedule(rec.spec, dict(B=b, L=L, H=H, K=K, V=V), 8).stage_steps == 2
+    memo = rec._backend(backend)._schedules
+    memo.clear()
+    q, k = (mx.random.normal((b, L, H, K)) * 0.4 for _ in range(2))
+    inputs = [q, k, mx.random.normal((b, L, H, V)), mx.random.normal((b, L, H)) * 0.3,
+              mx.random.normal((b, L, H)) * 0.5]
+    try:
+        _check_against_reference(rec, inputs, [mx.random.normal((b, H, K, V)) * 0.5], backend,
+                                 seg=8)
+    finally:
+        memo.clear()
