@@ -412,10 +412,10 @@ def test_lane_reductions_in_chunks(backend, K, split):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_staged_tiles_prefetched_in_both_directions(backend, monkeypatch):
-    """Tiles of 2 steps: several per segment, a partial last segment (L = 13, seg = 8), so the
-    next tile is loaded into registers while one computes, in the forward, the backward's
-    recompute (oldest first) and its adjoint sweep (newest first)."""
+def test_staged_tiles_several_per_segment(backend, monkeypatch):
+    """Tiles of 2 steps: several per segment and a partial last segment (L = 13, seg = 8), in
+    the forward, the backward's recompute (oldest first) and its adjoint sweep (newest
+    first)."""
     import mlx_recgen.schedule as schedule
 
     monkeypatch.setattr(schedule, "STAGE_MAX_STEPS", 2)

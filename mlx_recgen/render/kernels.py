@@ -124,8 +124,7 @@ class StepWriter:
         template's tile load (``t`` and ``n`` in scope there)."""
         free = set().union(*(free_symbols(p.statements) for p in programs))
         return [dict(buffer=self.staged[s][0], width=self.staged[s][1],
-                     source=(self.vector_inputs.get(s) or self.scalar_loads[s])[0],
-                     prefetch=f"(TILE * {self.staged[s][1]} + TG - 1) / TG")
+                     source=(self.vector_inputs.get(s) or self.scalar_loads[s])[0])
                 for s in sorted(free, key=str) if s in self.staged]
 
     def _load(self, sym, source, guard, pad):
