@@ -111,6 +111,14 @@ class Recurrence:
             raise ValueError(f"{self.name} is not state-affine: {self.affine.reason}")
         return segment_summary(self.ir, self.affine)
 
+    @functools.cached_property
+    def matrix(self):
+        """Whether the recurrence has the chunkwise matrix form (``matrix.analyse``), and its
+        parts: what ``schedule="matrix"`` runs."""
+        from .matrix import analyse as analyse_matrix
+
+        return analyse_matrix(self.ir, self.affine)
+
     @property
     def time_parallel(self) -> bool:
         """Whether the state update is affine with a block-diagonal multiplier, so that the
@@ -137,8 +145,11 @@ class Recurrence:
 
     def schedules_text(self) -> str:
         """Which schedules apply, and why ``chunked`` does not when it does not."""
+        if self.matrix.applies:
+            return f"sequential, chunked and matrix; {self.matrix.describe()}"
         if self.time_parallel:
-            return f"sequential and chunked; {self.affine.describe()}"
+            return (f"sequential and chunked; {self.affine.describe()}; not matrix: "
+                    f"{self.matrix.reason}")
         return f"sequential only ({self.affine.reason})"
 
     def gradient_reductions(self) -> dict:
@@ -430,6 +441,12 @@ class Recurrence:
             raise ValueError(f"{self.name}(): {'= and '.join(options)}= applies to the kernel "
                              "backends, not 'mlx'")
         kind, seg = choose_schedule(rec, sizes, schedule, seg, impl.name)
+        if kind == "matrix":
+            # MLX ops (its matmuls) on whatever device the backend names: no kernel of ours
+            if options:
+                raise ValueError(f"{self.name}(): {'= and '.join(options)}= applies to the "
+                                 "kernel schedules, not schedule='matrix'")
+            impl = rec._backend("mlx")
         options["schedule"] = kind
         return rec, impl, seg, sizes, out_dtype, options, inputs, states
 

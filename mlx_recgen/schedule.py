@@ -60,7 +60,7 @@ def members(group_axis: str) -> tuple:
     return ("members", group_axis)
 
 
-SCHEDULES = ("auto", "sequential", "chunked")
+SCHEDULES = ("auto", "sequential", "chunked", "matrix")
 SEQUENTIAL_SEG = 32
 # The chunked schedule wants enough (segment, instance, lane) threads to fill a large GPU, and
 # segments short enough that a thread's recomputed segment stays in thread-private memory.
@@ -87,6 +87,8 @@ CHUNKED_MAX_SEQUENTIAL_WORK = 1 << 19
 # The pure-MLX chunked form: every scan round is a few MLX ops over a whole segment, so long
 # segments mean few ops; the segment's arrays (states, multipliers) bound it.
 MLX_MAX_CHUNK = 64
+# The matrix schedule's chunk: [C, C] decay matrices and [C, K] x [K, V] products per chunk.
+MATRIX_CHUNK = 64
 MLX_CHUNK_FLOATS = 1 << 22
 
 
@@ -205,7 +207,8 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     two chunks and, on a kernel backend, one sequential step would not already fill the GPU
     (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the ``mlx`` backend the device is a GPU
     (``mlx_time_parallel_pays``); else ``sequential``. ``chunked`` on a recurrence
-    that is not state-affine raises ``ValueError`` saying why. ``seg`` (the checkpoint
+    that is not state-affine, and ``matrix`` on one without the matrix form
+    (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
     interval, which is also the chunk length) is chosen when not given."""
     spec = rec.spec
     if requested not in SCHEDULES:
@@ -217,6 +220,11 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         if not form.time_parallel:
             raise ValueError(f"{spec.name}(): schedule='chunked' needs a state-affine recurrence, "
                              f"and {form.reason}; use schedule='sequential'")
+    if requested == "matrix":
+        if not rec.matrix.applies:
+            raise ValueError(f"{spec.name}(): schedule='matrix' needs the matrix form, and "
+                             f"{rec.matrix.reason}; use schedule='chunked' or 'sequential'")
+        return "matrix", min(seg or MATRIX_CHUNK, L)
     kind = requested
     if requested == "auto":
         chunk = seg or (chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))

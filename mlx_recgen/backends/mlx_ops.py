@@ -415,6 +415,7 @@ class MLXBackend:
         self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
         self.sequential = SequentialForm(rec, self.table)
         self._chunked = None
+        self._matrix = None
 
     @property
     def origin(self) -> dict:
@@ -430,10 +431,20 @@ class MLXBackend:
             self._chunked = ChunkedForm(self.rec, self.table)
         return self._chunked
 
+    @property
+    def matrix(self):
+        """The matrix form (built on first use; specs with the matrix form only)."""
+        if self._matrix is None:
+            from .mlx_matrix import MatrixForm
+
+            self._matrix = MatrixForm(self.rec, self.table, self.rec.matrix)
+        return self._matrix
+
     def form(self, sizes, schedule="sequential"):
         """The form that computes a call of these sizes under the schedule ``schedule.choose``
         picked: the one place where it is chosen."""
-        return self.chunked if schedule == "chunked" else self.sequential
+        return {"chunked": self.chunked, "matrix": self.matrix}.get(schedule, self.sequential) \
+            if schedule != "sequential" else self.sequential
 
     def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
         return self.form(sizes, schedule).forward(inputs, states, sizes, seg, out_dtype)

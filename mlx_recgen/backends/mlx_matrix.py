@@ -1,0 +1,319 @@
+"""The matrix schedule in MLX ops: chunkwise products for recurrences of the matrix form.
+
+For a spec that ``matrix.analyse`` puts in the matrix form (``S_t = d_t ⊙ S_{t-1} + Σ_r a_r ⊗
+b_r``, outputs from readouts ``Σ_n c_t[n] S_{t-1}[n, :]``), the sequence is cut into chunks of
+``C`` steps and, with ``Λ`` the cumulative ``log |d|`` within a chunk (``Λ_t`` inclusive,
+``Λ'_t`` exclusive):
+
+* readouts of the chunk's starting state: ``(c ⊙ exp(Λ')) @ S_start`` — ``[C, K] @ [K, V]``;
+* readouts of the chunk's own inputs: ``(M ∘ (c @ a_rᵀ)) @ b_r`` with the causal decay matrix
+  ``M[t, j] = exp(Λ'_t - Λ_j)`` for ``j < t`` (0 elsewhere) — ``[C, C]`` products. Where ``d``
+  varies over the state axis, ``M`` has a third axis and cannot leave the product: the chunk is
+  cut into sub-chunks of ``SUB`` steps; between sub-chunks the product factors through the
+  boundary's cumulative decay (every factor ``≤ 1`` for decays, so nothing overflows), within a
+  sub-chunk the ``[SUB, SUB, K]`` weights are taken element by element;
+* the chunk's end state: ``exp(Λ_C) ⊙ S_start + Σ_r (a_r ⊙ exp(Λ_C - Λ))ᵀ @ b_r``, passed from
+  chunk to chunk in order (one multiply-add of ``[K, V]`` per chunk).
+
+Every exponent is a difference ``Λ'_t - Λ_j`` taken where ``j < t`` (masked to ``-inf``
+elsewhere before ``exp``), so for decays ``|d| ≤ 1`` no intermediate exceeds 1. A multiplier
+whose sign is not known symbolically carries its sign as a running product of ±1.
+
+Everything is MLX ops (``mx.matmul``: MLX's GEMM on every device), so the backward is MLX's
+VJP of the same computation, recomputed from the inputs (nothing is kept from the forward but
+the inputs), and every MLX transformation applies.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import sympy
+
+from ..ir import Accumulate, Loop, Program, Store
+from ..layout import from_time_major
+from ..matrix import MatrixForm
+from ..render.mlx_ops import render_mlx
+from ..spec import Slot
+from .mlx_ops import SequentialForm
+
+LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
+SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
+
+
+def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> Program:
+    """A program storing ``stores`` (expressions), after the sums over the state axis they
+    read, except those ``given`` as arguments (``extra_sums``: more ``(target, body)`` sums,
+    after those)."""
+    reads = set().union(*(e.free_symbols for e in stores)) if stores else set()
+    reads |= set().union(*(b.free_symbols for _, b in extra_sums)) if extra_sums else set()
+    targets = {r.target: r for r in ir.reductions if r.target not in given}
+    need, frontier = set(), [s for s in reads if s in targets]
+    while frontier:
+        s = frontier.pop()
+        if s not in need:
+            need.add(s)
+            frontier += [x for x in targets[s].body.free_symbols if x in targets]
+    statements = []
+    levels = sorted({targets[s].level for s in need})
+    for level in levels:
+        statements.append(Loop([Accumulate(r.target, r.body) for r in ir.reductions
+                                if r.target in need and r.level == level]))
+    if extra_sums:
+        statements.append(Loop([Accumulate(t, b) for t, b in extra_sums]))
+    statements += [Store("output", slot, e) for slot, e in zip(slots or
+                   [Slot(f"m{i}") for i in range(len(stores))], stores)]
+    return Program(statements, frozenset(ir.vector))
+
+
+class MatrixChunks:
+    """Arrays ``(*batch, T, X)`` cut into chunks ``(*batch, nc, C, X)``, the time axis padded
+    with ``fill`` to a whole number of chunks."""
+
+    def __init__(self, T: int, C: int, nb: int):
+        self.T, self.C, self.nb = T, C, nb
+        self.nc = -(-T // C)
+
+    def cut(self, x, fill=0.0):
+        pad = self.nc * self.C - self.T
+        if pad:
+            widths = [(0, 0)] * x.ndim
+            widths[self.nb] = (0, pad)
+            x = mx.pad(x, widths, constant_values=fill)
+        return x.reshape(*x.shape[:self.nb], self.nc, self.C, x.shape[-1])
+
+    def join(self, x):
+        x = x.reshape(*x.shape[:self.nb], self.nc * self.C, x.shape[-1])
+        return x[(slice(None),) * self.nb + (slice(0, self.T),)]
+
+
+def _causal(C: int, strict: bool = True):
+    i = mx.arange(C)
+    return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
+
+
+def _decay_matrix(lam_ex, lam, mask):
+    """``exp(lam_ex[t] - lam[j])`` where ``mask[t, j]``, else 0 (the exponent is masked first:
+    the excluded entries may overflow)."""
+    diff = lam_ex[..., :, None, :] - lam[..., None, :, :]
+    mask = mask[:, :, None]
+    return mx.where(mask, mx.exp(mx.where(mask, diff, -mx.inf)), 0.0)
+
+
+class MatrixForm(SequentialForm):
+    """Outputs and final states of a matrix-form recurrence by chunkwise matrix products."""
+
+    name = "matrix"
+
+    def __init__(self, rec, table, form: MatrixForm):
+        super().__init__(rec, table)
+        self.form = form
+        ir = rec.ir
+        exprs, self.layout = [], []  # layout: (what, state index, readout index, term index)
+
+        def add(expr, what, s=None, i=None, r=None):
+            self.layout.append((what, s, i, r))
+            exprs.append(sympy.sympify(expr))
+
+        for s, st in enumerate(form.states):
+            add(st.log_decay, "log_decay", s)
+            if not st.positive:
+                add(st.decay, "decay", s)
+            for r, (a, b) in enumerate(st.terms):
+                add(a, "a", s, r=r)
+                add(b, "b", s, r=r)
+        # the state-free part of each readout, Σ_n rest[n] = Σ_r b_r Σ_n a_r[n] (its lane
+        # factors taken out of the sum, so no [V, K] array is formed)
+        sums = []
+        for i, ro in enumerate(form.readouts):
+            for s, st in enumerate(form.states):
+                if st.symbol in ro.coefficients:
+                    add(ro.coefficients[st.symbol], "c", s, i)
+            rest = sympy.S.Zero
+            for term in sympy.Add.make_args(sympy.expand(ro.rest, deep=False, power_exp=False,
+                                                         power_base=False, log=False)):
+                if term == 0:
+                    continue
+                lane_part = [f for f in sympy.Mul.make_args(term)
+                             if not f.free_symbols & set(ir.vector)]
+                inner = sympy.Mul(*[f for f in sympy.Mul.make_args(term) if f not in lane_part])
+                target = ir.namer(f"rest{i}_")
+                sums.append((target, inner))
+                rest += sympy.Mul(*lane_part) * target
+            add(rest, "rest", None, i)
+        self.factors = render_mlx(_program(ir, exprs, sums), "matrix_factors")
+        readout_of = {ro.target: ro for ro in form.readouts}
+        self.post = render_mlx(_program(ir, list(ir.outputs.values()), given=frozenset(readout_of),
+                                        slots=list(ir.outputs)), "matrix_outputs")
+        self.readout_symbols = readout_of
+
+    # -- the factors of every step ---------------------------------------------------------------
+    def _factors(self, values: dict, sizes: dict, ones):
+        """``(*batch, T, X)`` arrays of every factor, by (what, state, readout, term)."""
+        spec = self.rec.spec
+        args = [ones] if self.factors.needs_state_ones else []
+        args += [values[self.table.key[sym][1]] for sym in self.factors.args]
+        results = self.factors.fn(*args)
+        T, batch = sizes[spec.time], [sizes[a] for a in spec.batch_axes]
+        V, K = sizes[spec.lane], sizes[spec.state_axis]
+        nb = len(batch)
+        out = {}
+        for (what, s, i, r), x in zip(self.layout, results):
+            x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
+            st = self.form.states[s] if s is not None else None
+            if what in ("a", "c") or (what in ("log_decay", "decay") and st.vector_decay):
+                shape, take = (T, *batch, 1, K), (0, slice(None))  # over the state axis
+            elif what in ("b", "rest"):
+                lanes = V if st is None or st.has_lane else 1  # a shared state: one "lane"
+                shape, take = (T, *batch, lanes, 1), (slice(None), 0)  # over the lanes
+            else:
+                shape, take = (T, *batch, 1, 1), (0, slice(None))  # one per step
+            x = mx.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
+            # the rest of a readout joins it time-major; the factors go batch-major
+            out[(what, s, i, r)] = x if what == "rest" else mx.moveaxis(x[(Ellipsis, *take)], 0, nb)
+        return out
+
+    # -- one call --------------------------------------------------------------------------------
+    def run(self, inputs, states, sizes, seg):
+        """Outputs (canonical, time-major, fp32) and final states (``(*batch, V, K)``)."""
+        spec = self.rec.spec
+        nb = len(spec.batch_axes)
+        T = sizes[spec.time]
+        values = self._time_major(spec.inputs.values(), inputs, sizes)
+        f = self._factors(values, sizes, self._ones(sizes))
+        chunks = MatrixChunks(T, seg, nb)
+        mask = _causal(seg)
+        readouts = {}
+        finals = []
+        for s, st in enumerate(self.form.states):
+            S0 = self._state(states, st, sizes)  # (*batch, K, V)
+            # a zero multiplier would give -inf - -inf below: its log is floored where exp
+            # underflows anyway
+            log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
+            lam = mx.cumsum(log_d, axis=-2)
+            lam_ex = mx.cumsum(log_d, axis=-2, inclusive=False)
+            lam_end = lam[..., -1:, :]
+            terms = [(chunks.cut(f[("a", s, None, r)]), chunks.cut(f[("b", s, None, r)]))
+                     for r in range(len(st.terms))]
+            # a sign not known symbolically: the sign of d(j+1..t) is sign(d(..t)) sign(d(..j)),
+            # so it folds into the factors of t and of j
+            sign_ex = sign_end = 1.0
+            if not st.positive:
+                sg = chunks.cut(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0), 1.0)
+                sign = mx.cumprod(sg, axis=-2)
+                sign_ex, sign_end = sign * sg, sign[..., -1:, :]
+                terms = [(a * sign, b) for a, b in terms]
+            # the chunk's end state from its own inputs, and its decay over the whole chunk
+            to_end = mx.exp(lam_end - lam) * sign_end
+            U = sum(mx.swapaxes(a * to_end, -1, -2) @ b for a, b in terms) if terms else None
+            D = mx.swapaxes(mx.exp(lam_end) * sign_end, -1, -2)  # (*batch, nc, K or 1, 1)
+            starts, S = [], S0
+            for c in range(chunks.nc):
+                starts.append(S)
+                S = D[..., c, :, :] * S + (U[..., c, :, :] if U is not None else 0.0)
+            finals.append(S)
+            S_start = mx.stack(starts, axis=nb)
+            for i, ro in enumerate(self.form.readouts):
+                if st.symbol not in ro.coefficients:
+                    continue
+                c_t = chunks.cut(f[("c", s, i, None)]) * sign_ex
+                y = (c_t * mx.exp(lam_ex)) @ S_start
+                for a, b in terms:
+                    y = y + self._scores(c_t, a, lam_ex, lam, mask, st.vector_decay) @ b
+                readouts[i] = readouts.get(i, 0.0) + y
+        env = {}
+        for i, ro in enumerate(self.form.readouts):
+            y = chunks.join(readouts[i]) if i in readouts else 0.0
+            y = mx.moveaxis(y, nb, 0)[..., None] if isinstance(y, mx.array) else y
+            env[ro.target] = y + f[("rest", None, i, None)]
+        outs = self._call(self.post, env, self._block(values, T, sizes))
+        return outs, finals
+
+    @staticmethod
+    def _scores(c, a, lam_ex, lam, mask, vector_decay):
+        """The causal weights ``W[t, j] = Σ_k c[t,k] a[j,k] d(j+1..t-1)[k]`` for ``j < t`` of
+        every chunk: ``(*batch, nc, C, C)``."""
+        C = c.shape[-2]
+        if not vector_decay:
+            return (c @ mx.swapaxes(a, -1, -2)) * _decay_matrix(lam_ex, lam, mask)[..., 0]
+        sub = min(SUB, C)
+        if C % sub:
+            sub = C
+        P = C // sub
+        K = c.shape[-1]
+        lead = c.shape[:-2]
+        # between sub-chunks: through the cumulative decay at the start of the later one
+        ref = lam_ex[..., ::sub, :]  # (.., P, K): Λ' at each sub-chunk's start
+        cs = c.reshape(*lead, P, sub, K) * mx.exp(lam_ex.reshape(*lead, P, sub, K)
+                                                   - ref[..., :, None, :])
+        end = lam.reshape(*lead, P, sub, K)[..., -1, :]  # Λ at each sub-chunk's end
+        as_ = a.reshape(*lead, P, sub, K) * mx.exp(end[..., :, None, :]
+                                                   - lam.reshape(*lead, P, sub, K))
+        pq = _causal(P)  # q < p
+        between = mx.exp(mx.where(pq[:, :, None], ref[..., :, None, :] - end[..., None, :, :],
+                                  -mx.inf))  # (.., P, P, K)
+        w = (cs[..., :, None, :, :] * between[..., :, :, None, :]) @ mx.swapaxes(
+            as_[..., None, :, :, :], -1, -2)  # (.., P, P, sub, sub)
+        # within a sub-chunk: element by element
+        diag = _decay_matrix(lam_ex.reshape(*lead, P, sub, K), lam.reshape(*lead, P, sub, K),
+                             _causal(sub))  # (.., P, sub, sub, K)
+        inner = mx.sum(c.reshape(*lead, P, sub, 1, K) * a.reshape(*lead, P, 1, sub, K) * diag,
+                       axis=-1)
+        eye = mx.eye(P, dtype=mx.bool_)[:, :, None, None]
+        w = mx.where(eye, inner[..., :, None, :, :], w)
+        return mx.swapaxes(w, -3, -2).reshape(*lead, C, C)
+
+    def _state(self, states, st, sizes):
+        """The initial state of ``st`` as ``(*batch, K, V)`` (``V = 1`` for a shared state)."""
+        spec = self.rec.spec
+        init = self._initial(states, [st.symbol], sizes)[st.symbol][0]  # (*batch, V, K)
+        return mx.swapaxes(init, -1, -2)
+
+    def _block(self, values, T, sizes):
+        from .mlx_ops import _Block
+
+        return _Block(values, T, self._ones(sizes))
+
+    def _results(self, outs, finals, out_dtype, sizes):
+        spec = self.rec.spec
+        T, batch = sizes[spec.time], [sizes[a] for a in spec.batch_axes]
+        parts = {}
+        for (_, slot), y in zip(self.post.results, outs):
+            t = spec.outputs[slot.tensor]
+            shape = (T, *batch, sizes[spec.lane], 1)
+            y = y if isinstance(y, mx.array) else mx.array(y, dtype=mx.float32)
+            parts[(slot.tensor, slot.component)] = mx.broadcast_to(y, shape)
+        outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
+                                   reduce_missing=False).astype(out_dtype)
+                   for t in spec.outputs.values()]
+        carry = {st.symbol: mx.swapaxes(S, -1, -2)[None] for st, S in
+                 zip(self.form.states, finals)}
+        return outputs, self._declared(carry, self.table.states)
+
+    # -- the backend's interface -----------------------------------------------------------------
+    def forward(self, inputs, states, sizes, seg, out_dtype):
+        outs, finals = self.run(inputs, states, sizes, seg)
+        outputs, finals = self._results(outs, finals, out_dtype, sizes)
+        return outputs, finals, []
+
+    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                 d_residuals=None):
+        spec = self.rec.spec
+        diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
+
+        def f(*arrays):
+            xs = list(inputs)
+            for i, x in zip(diff, arrays[:len(diff)]):
+                xs[i] = x
+            outs, finals = self.run(xs, list(arrays[len(diff):]), sizes, seg)
+            outputs, finals = self._results(outs, finals, mx.float32, sizes)
+            return (*outputs, *finals)
+
+        primals = [inputs[i] for i in diff] + list(states)
+        cotangents = [d.astype(mx.float32) for d in (*d_outputs, *d_finals)]
+        _, vjps = mx.vjp(f, primals, cotangents)
+        grads = [g.astype(inputs[i].dtype) for i, g in zip(diff, vjps[:len(diff)])]
+        d_init = [g.astype(x.dtype) for g, x in zip(vjps[len(diff):], states)]
+        return grads, d_init
+
+
+__all__ = ["MatrixChunks", "MatrixForm", "SUB"]

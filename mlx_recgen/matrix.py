@@ -1,0 +1,192 @@
+"""Matrix analysis: does the recurrence have the chunkwise matrix form of linear attention?
+
+A state-affine recurrence (``affine.analyse``) whose states are matrices over (state axis,
+lane) with a multiplier that is the same for every lane runs as matrix products over chunks of
+steps, the form of linear attention, GLA and SSD:
+
+    S_t = d_t ⊙ S_{t-1} + Σ_r a_{r,t} ⊗ b_{r,t}          (S: K x V, d_t and a_{r,t}: K, b_{r,t}: V)
+    y_t = f(Σ_n c_{t}[n] S_{t-1}[n, :], inputs of step t)
+
+``d_t`` is free of the state and the lane axis (a scalar per instance, or a vector over the
+state axis), every added term factors into a lane-free state-axis vector ``a`` and a vector
+``b`` free of the state axis, and the outputs read the states only through sums over the state
+axis that are linear in them, with lane-free coefficients ``c``. A readout of the state *after*
+the update (``Σ q[n] S_t[n]``, the usual way a spec is written) is rewritten as one of the state
+before it, ``c = q ⊙ d``, plus a state-free sum ``Σ_n q[n] a_r[n] · b_r``: every readout is then
+of ``S_{t-1}``, strictly causal. The analysis is symbolic and serves every backend: it yields
+the expressions of ``log d``, ``a``, ``b`` and ``c`` per step and the outputs as functions of
+the readouts (``MatrixForm``), which ``backends/mlx_matrix.py`` evaluates and multiplies.
+
+Outside the class (a multiplier that varies along the lane axis as in Mamba-1, per-lane scalar
+states as in RG-LRU, 2x2 blocks, delta rules, nonlinear updates) ``analyse`` returns the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from .affine import AffineForm
+from .functions import sigmoid, softplus
+from .ir import StepIR
+from .spec import Slot
+
+
+@dataclass(frozen=True)
+class MatrixState:
+    """One state of the matrix form: ``S' = d ⊙ S + Σ_r a_r ⊗ b_r``.
+
+    ``log_decay`` is ``log |d|`` as an expression (simplified: ``exp(x)`` gives ``x``,
+    ``sigmoid(x)`` gives ``-softplus(-x)``), ``positive`` whether ``d > 0`` is known
+    symbolically (else the sign is carried at run time). ``vector_decay``: ``d`` varies over the
+    state axis. ``terms``: ``(a_r, b_r)`` pairs, ``a_r`` over the state axis and free of the
+    lane, ``b_r`` free of the state axis. ``has_lane``: the state carries the lane axis (else it
+    is shared by the lanes, ``V = 1``)."""
+
+    slot: Slot
+    symbol: sympy.Symbol
+    decay: sympy.Expr
+    log_decay: sympy.Expr
+    positive: bool
+    vector_decay: bool
+    terms: tuple
+    has_lane: bool
+
+
+@dataclass(frozen=True)
+class Readout:
+    """A sum over the state axis that reads the states: ``target = Σ_n Σ_s coefficients[s][n]
+    S_s[n] + Σ_n rest[n]`` with the states *before* the step."""
+
+    target: sympy.Symbol
+    coefficients: dict  # state symbol -> lane-free expression over the state axis
+    rest: sympy.Expr  # state-free
+
+
+@dataclass(frozen=True)
+class MatrixForm:
+    """The result of the analysis: the matrix form when it applies, else the reason."""
+
+    applies: bool
+    reason: str
+    states: tuple = ()
+    readouts: tuple = ()
+
+    def describe(self) -> str:
+        if not self.applies:
+            return f"matrix form does not apply: {self.reason}"
+        parts = []
+        for s in self.states:
+            decay = "vector decay" if s.vector_decay else "scalar decay"
+            shape = "K x V" if s.has_lane else "K (shared by the lanes)"
+            parts.append(f"{s.slot.tensor}: {shape}, {decay}, rank {len(s.terms)} input")
+        return ("matrix form (chunkwise products: S' = d ⊙ S + Σ a ⊗ b, readouts Σ c S): "
+                + "; ".join(parts))
+
+
+def _log_abs(d: sympy.Expr) -> sympy.Expr:
+    """``log |d|`` in the form that stays finite where ``d`` underflows: ``exp(x) -> x``,
+    ``sigmoid(x) -> -softplus(-x)``, products to sums, powers to multiples."""
+    if isinstance(d, sympy.Mul):
+        return sympy.Add(*[_log_abs(f) for f in d.args])
+    if isinstance(d, sympy.exp):
+        return d.args[0]
+    if isinstance(d, sigmoid):
+        return -softplus(-d.args[0])
+    if isinstance(d, sympy.Pow) and d.exp.is_number:
+        return d.exp * _log_abs(d.base)
+    if d.is_number:
+        return sympy.log(abs(d))
+    return sympy.log(sympy.Abs(d))
+
+
+def _factor_terms(offset: sympy.Expr, vector: set, lane: set, label: str):
+    """``offset`` as ``Σ_r a_r b_r`` with ``a_r`` free of the lane and ``b_r`` free of the state
+    axis; terms that share ``b`` are merged. Returns (pairs, reason)."""
+    by_value: dict = {}
+    for term in sympy.Add.make_args(sympy.expand(offset, deep=False, power_exp=False,
+                                                  power_base=False, log=False)):
+        key, value = [], []
+        for f in sympy.Mul.make_args(term):
+            on_state, on_lane = bool(f.free_symbols & vector), bool(f.free_symbols & lane)
+            if on_state and on_lane:
+                return None, (f"the update of '{label}' adds {term}, whose factor {f} varies over "
+                              "both the state axis and the lane axis (not an outer product)")
+            (value if on_lane else key).append(f)
+        b = sympy.Mul(*value)
+        by_value[b] = by_value.get(b, sympy.S.Zero) + sympy.Mul(*key)
+    return tuple((a, b) for b, a in by_value.items() if a != 0), ""
+
+
+def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
+    """Decide whether the step has the chunkwise matrix form, and derive its parts."""
+    spec = ir.spec
+    if not affine.time_parallel:
+        return MatrixForm(False, f"not state-affine ({affine.reason})")
+    if spec.state_axis is None:
+        return MatrixForm(False, "the states have no state axis (elementwise states are scans, "
+                                 "not matrix products)")
+    vector = set(ir.vector)
+    lane = set(spec.lane_varying())
+    # reductions are scalars per lane: they vary over the lanes when their body does
+    for r in ir.reductions:
+        if r.body.free_symbols & lane:
+            lane.add(r.target)
+    state_syms = {spec.symbols[s]: s for s in spec.state_slots()}
+
+    states = []
+    for block in affine.blocks:
+        slot = block.slots[0]
+        label = slot.label(block.components)
+        if block.size != 1:
+            return MatrixForm(False, f"the multiplier of '{label}' is a {block.size}x{block.size} "
+                                     "block (only a diagonal multiplier has the matrix form)")
+        if not ir.is_vector_slot(slot):
+            return MatrixForm(False, f"state '{label}' has no state axis (per-lane scalar states "
+                                     "are elementwise scans)")
+        sym = spec.symbols[slot]
+        d = block.multiplier[0][0]
+        if d.free_symbols & lane:
+            return MatrixForm(False, f"the multiplier of '{label}' ({d}) varies along the lane "
+                                     "axis, so the lanes do not share one decay")
+        if d == 0:
+            return MatrixForm(False, f"the multiplier of '{label}' is zero")
+        offset = ir.new_state[slot].subs(sym, 0)
+        terms, reason = _factor_terms(offset, vector, lane, label)
+        if terms is None:
+            return MatrixForm(False, reason)
+        has_lane = spec.tensors[slot.tensor].has_lane
+        states.append(MatrixState(slot, sym, d, _log_abs(d), bool(d.is_positive),
+                                  bool(d.free_symbols & vector), terms, has_lane))
+
+    readouts = []
+    dependent: set = set()
+    for r in ir.reductions:  # by level: a reduction reads only lower levels
+        reads = r.body.free_symbols & (set(state_syms) | dependent)
+        if not reads:
+            continue
+        if reads & dependent:
+            return MatrixForm(False, f"the sum {r.target} = Σ({r.body}) reads the state through "
+                                     "another sum")
+        coefficients = {}
+        for s in reads:
+            c = sympy.diff(r.body, s)
+            if c.free_symbols & set(state_syms):
+                return MatrixForm(False, f"the sum {r.target} = Σ({r.body}) is not linear in "
+                                         f"the state '{state_syms[s].tensor}'")
+            if c.free_symbols & lane:
+                return MatrixForm(False, f"the sum {r.target} = Σ({r.body}) reads the state "
+                                         f"with a coefficient {c} that varies along the lanes")
+            coefficients[s] = c
+        rest = r.body.subs({s: 0 for s in reads})
+        readouts.append(Readout(r.target, coefficients, rest))
+        dependent.add(r.target)
+    for slot, e in ir.outputs.items():
+        if e.free_symbols & set(state_syms):
+            return MatrixForm(False, f"output '{slot.tensor}' reads a state outside a sum over "
+                                     "the state axis")
+    return MatrixForm(True, "", tuple(states), tuple(readouts))
+
+
+__all__ = ["MatrixForm", "MatrixState", "Readout", "analyse"]
