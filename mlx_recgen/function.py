@@ -395,6 +395,9 @@ class Recurrence:
         rec = self.tangent
         if backend.name == "mlx" and not rec.time_parallel:
             options = dict(options, schedule="sequential")
+        elif options.get("schedule") == "matrix" and not rec.matrix.applies:
+            # the tangent of a state reads the state itself: time-parallel, not the matrix form
+            options = dict(options, schedule="chunked")
         fn = rec._function(rec._backend(backend.name), seg, sizes, out_dtype, options)
         # bool and integer inputs have no tangent in the tangent recurrence
         d_in = [d for t, d in zip(self.spec.inputs.values(), tangents) if t.differentiable]

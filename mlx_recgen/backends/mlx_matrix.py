@@ -86,17 +86,21 @@ class MatrixChunks:
         return x[(slice(None),) * self.nb + (slice(0, self.T),)]
 
 
-def _causal(C: int, strict: bool = True):
+def _causal(C: int):
+    """``[C, C]``: ``t > j``."""
     i = mx.arange(C)
-    return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
+    return i[:, None] > i[None, :]
 
 
-def _decay_matrix(lam_ex, lam, mask):
-    """``exp(lam_ex[t] - lam[j])`` where ``mask[t, j]``, else 0 (the exponent is masked first:
-    the excluded entries may overflow)."""
-    diff = lam_ex[..., :, None, :] - lam[..., None, :, :]
-    mask = mask[:, :, None]
-    return mx.where(mask, mx.exp(mx.where(mask, diff, -mx.inf)), 0.0)
+def _between(log_d):
+    """``exp(Σ_{j<s<t} log_d[s])`` for ``j < t``, else 0: ``(..., C, C, X)`` from
+    ``(..., C, X)``. Each exponent is the sum of its own range (a reverse cumulative sum per
+    row), not a difference of two long running sums, so it is as exact as the range allows."""
+    C = log_d.shape[-2]
+    mask = _causal(C)[:, :, None]
+    rows = mx.where(mask, log_d[..., None, :, :], 0.0)  # row t: log_d[s] for s < t
+    sums = mx.cumsum(rows, axis=-2, reverse=True, inclusive=False)  # Σ_{j<s<t}
+    return mx.where(mask, mx.exp(mx.where(mask, sums, -mx.inf)), 0.0)
 
 
 class MatrixForm(SequentialForm):
@@ -181,7 +185,6 @@ class MatrixForm(SequentialForm):
         values = self._time_major(spec.inputs.values(), inputs, sizes)
         f = self._factors(values, sizes, self._ones(sizes))
         chunks = MatrixChunks(T, seg, nb)
-        mask = _causal(seg)
         readouts = {}
         finals = []
         for s, st in enumerate(self.form.states):
@@ -189,9 +192,9 @@ class MatrixForm(SequentialForm):
             # a zero multiplier would give -inf - -inf below: its log is floored where exp
             # underflows anyway
             log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
-            lam = mx.cumsum(log_d, axis=-2)
-            lam_ex = mx.cumsum(log_d, axis=-2, inclusive=False)
-            lam_end = lam[..., -1:, :]
+            from_start = mx.cumsum(log_d, axis=-2, inclusive=False)  # Σ_{s<t}
+            to_end = mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False)  # Σ_{s>j}
+            whole = mx.sum(log_d, axis=-2, keepdims=True)
             terms = [(chunks.cut(f[("a", s, None, r)]), chunks.cut(f[("b", s, None, r)]))
                      for r in range(len(st.terms))]
             # a sign not known symbolically: the sign of d(j+1..t) is sign(d(..t)) sign(d(..j)),
@@ -203,9 +206,9 @@ class MatrixForm(SequentialForm):
                 sign_ex, sign_end = sign * sg, sign[..., -1:, :]
                 terms = [(a * sign, b) for a, b in terms]
             # the chunk's end state from its own inputs, and its decay over the whole chunk
-            to_end = mx.exp(lam_end - lam) * sign_end
+            to_end = mx.exp(to_end) * sign_end
             U = sum(mx.swapaxes(a * to_end, -1, -2) @ b for a, b in terms) if terms else None
-            D = mx.swapaxes(mx.exp(lam_end) * sign_end, -1, -2)  # (*batch, nc, K or 1, 1)
+            D = mx.swapaxes(mx.exp(whole) * sign_end, -1, -2)  # (*batch, nc, K or 1, 1)
             starts, S = [], S0
             for c in range(chunks.nc):
                 starts.append(S)
@@ -216,9 +219,9 @@ class MatrixForm(SequentialForm):
                 if st.symbol not in ro.coefficients:
                     continue
                 c_t = chunks.cut(f[("c", s, i, None)]) * sign_ex
-                y = (c_t * mx.exp(lam_ex)) @ S_start
+                y = (c_t * mx.exp(from_start)) @ S_start
                 for a, b in terms:
-                    y = y + self._scores(c_t, a, lam_ex, lam, mask, st.vector_decay) @ b
+                    y = y + self._scores(c_t, a, log_d, st.vector_decay) @ b
                 readouts[i] = readouts.get(i, 0.0) + y
         env = {}
         for i, ro in enumerate(self.form.readouts):
@@ -229,35 +232,26 @@ class MatrixForm(SequentialForm):
         return outs, finals
 
     @staticmethod
-    def _scores(c, a, lam_ex, lam, mask, vector_decay):
+    def _scores(c, a, log_d, vector_decay):
         """The causal weights ``W[t, j] = Σ_k c[t,k] a[j,k] d(j+1..t-1)[k]`` for ``j < t`` of
         every chunk: ``(*batch, nc, C, C)``."""
-        C = c.shape[-2]
         if not vector_decay:
-            return (c @ mx.swapaxes(a, -1, -2)) * _decay_matrix(lam_ex, lam, mask)[..., 0]
-        sub = min(SUB, C)
-        if C % sub:
-            sub = C
-        P = C // sub
-        K = c.shape[-1]
-        lead = c.shape[:-2]
-        # between sub-chunks: through the cumulative decay at the start of the later one
-        ref = lam_ex[..., ::sub, :]  # (.., P, K): Λ' at each sub-chunk's start
-        cs = c.reshape(*lead, P, sub, K) * mx.exp(lam_ex.reshape(*lead, P, sub, K)
-                                                   - ref[..., :, None, :])
-        end = lam.reshape(*lead, P, sub, K)[..., -1, :]  # Λ at each sub-chunk's end
-        as_ = a.reshape(*lead, P, sub, K) * mx.exp(end[..., :, None, :]
-                                                   - lam.reshape(*lead, P, sub, K))
-        pq = _causal(P)  # q < p
-        between = mx.exp(mx.where(pq[:, :, None], ref[..., :, None, :] - end[..., None, :, :],
-                                  -mx.inf))  # (.., P, P, K)
-        w = (cs[..., :, None, :, :] * between[..., :, :, None, :]) @ mx.swapaxes(
-            as_[..., None, :, :, :], -1, -2)  # (.., P, P, sub, sub)
+            return (c @ mx.swapaxes(a, -1, -2)) * _between(log_d)[..., 0]
+        C, K = c.shape[-2:]
+        sub = min(SUB, C) if C % min(SUB, C) == 0 else C
+        P, lead = C // sub, c.shape[:-2]
+        c, a, log_d = (x.reshape(*lead, P, sub, K) for x in (c, a, log_d))
         # within a sub-chunk: element by element
-        diag = _decay_matrix(lam_ex.reshape(*lead, P, sub, K), lam.reshape(*lead, P, sub, K),
-                             _causal(sub))  # (.., P, sub, sub, K)
-        inner = mx.sum(c.reshape(*lead, P, sub, 1, K) * a.reshape(*lead, P, 1, sub, K) * diag,
-                       axis=-1)
+        inner = mx.sum(c[..., :, :, None, :] * a[..., :, None, :, :] * _between(log_d), axis=-1)
+        if P == 1:
+            return inner.reshape(*lead, C, C)
+        # between sub-chunks q < p: the decay from j to the end of q, over the sub-chunks
+        # strictly between, and from the start of p to t (every factor <= 1 for decays)
+        c = c * mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))
+        a = a * mx.exp(mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False))
+        across = _between(mx.sum(log_d, axis=-2))  # (.., P, P, K)
+        w = (c[..., :, None, :, :] * across[..., :, :, None, :]) @ mx.swapaxes(
+            a[..., None, :, :, :], -1, -2)  # (.., P, P, sub, sub)
         eye = mx.eye(P, dtype=mx.bool_)[:, :, None, None]
         w = mx.where(eye, inner[..., :, None, :, :], w)
         return mx.swapaxes(w, -3, -2).reshape(*lead, C, C)
