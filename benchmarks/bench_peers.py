@@ -6,8 +6,9 @@
 Peers (PyTorch): flash-linear-attention's ``fused_recurrent_simple_gla``, ``chunk_simple_gla``,
 ``fused_recurrent_gla`` (per-channel decay ``gk``), ``chunk_gla``,
 ``fused_recurrent_gated_delta_rule``, ``chunk_gated_delta_rule``; accelerated-scan's
-``scalar.scan``. Ours (MLX): the ``cuda`` backend with ``schedule="sequential"`` and
-``"chunked"``, and the per-step MLX loop (``rec.reference``, at the smaller shapes).
+``scalar.scan``. Ours (MLX): the ``cuda`` backend with ``schedule="sequential"``,
+``"chunked"`` and ``"matrix"`` (where each applies; ``--schedules`` picks), and the per-step MLX
+loop (``rec.reference``, at the smaller shapes).
 
 For every case and dtype (fp32, bf16): forward time, forward+backward time (gradients of
 ``sum(y * w)`` w.r.t. every input, fixed random ``w``) and the peak memory of forward+backward
@@ -245,6 +246,9 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default=None, help="comma-separated indices into CASES")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--schedules", default="sequential,chunked,matrix",
+                   help="our schedules to run, where they apply")
+    p.add_argument("--peers", default=None, help="comma-separated peers (default: all of a case)")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     result = dict(date=str(datetime.date.today()), versions=versions(), rows=[])
@@ -253,12 +257,15 @@ def main():
     # every case in fp32 first, so that a run cut short still has the main table
     for dtype in args.dtypes.split(","):
         for name, shape, with_loop in cases:
-            result["rows"].append(run_case(name, shape, with_loop, dtype, args.reps, rng))
+            result["rows"].append(run_case(name, shape, with_loop, dtype, args.reps, rng,
+                                           args.schedules.split(","),
+                                           args.peers.split(",") if args.peers else None))
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 
 
-def run_case(name, shape, with_loop, dtype, reps, rng):
+def run_case(name, shape, with_loop, dtype, reps, rng, wanted=("sequential", "chunked", "matrix"),
+             peers=None):
     """Every implementation of one case at one dtype, on the same inputs."""
     rec = gated_delta if name == "gated_delta" else rg.load_spec(name)
     xs = make_inputs(name, shape, rng)
@@ -267,7 +274,9 @@ def run_case(name, shape, with_loop, dtype, reps, rng):
     w = rng.standard_normal(tuple(shape[a] for a in out_shape)).astype(np.float32)
     mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
     row = dict(spec=name, shape=shape, dtype=dtype, runs={})
-    schedules = ["sequential"] + (["chunked"] if rec.time_parallel else [])
+    schedules = ["sequential"] + (["chunked"] if rec.time_parallel else []) + \
+        (["matrix"] if rec.matrix.applies else [])
+    schedules = [s for s in schedules if s in wanted]
     if with_loop and dtype == "float32":
         schedules.append("loop")
     base = None
@@ -282,7 +291,7 @@ def run_case(name, shape, with_loop, dtype, reps, rng):
         row["runs"][f"ours-{sch}"] = r
         print(name, shape, dtype, sch, r, flush=True)
         mx.clear_cache()
-    for peer in PEERS[name]:
+    for peer in [p for p in PEERS[name] if peers is None or p in peers]:
         try:
             r = peers_run(peer, name, xs, w, dtype, reps)
             r["err_vs_ours"] = rel(r.pop("y"), base) if base is not None else None

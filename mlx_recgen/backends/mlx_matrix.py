@@ -103,6 +103,35 @@ def _between(log_d):
     return mx.where(mask, mx.exp(mx.where(mask, sums, -mx.inf)), 0.0)
 
 
+def _carry(S0, whole, sign, U):
+    """The states at every chunk's start and after the last chunk, from the initial state
+    ``S0`` ``(*batch, K, V)``, each chunk's ``log |decay|`` ``whole`` ``(*batch, nc, 1 or K)``
+    and sign (or None) and its end state from zero ``U`` ``(*batch, nc, K, V)``: the same
+    causal weights one level up, ``S_start[c] = Σ_{c' < c} d(c'+1..c-1) U[c'] + d(0..c-1) S0``,
+    as one product over chunks (no loop over them)."""
+    vector = whole.shape[-1] > 1
+    weights = _between(whole)  # (*batch, nc, nc, 1 or K)
+    before = mx.exp(mx.cumsum(whole, axis=-2, inclusive=False))  # d(0..c-1)
+    after = mx.exp(mx.cumsum(whole, axis=-2, reverse=True, inclusive=False))  # d(c+1..)
+    total = mx.exp(mx.sum(whole, axis=-2))
+    if sign is not None:  # sign(d(c'+1..c-1)) = parity(..c-1) parity(..c')
+        sign = sign[..., 0, :]
+        parity = mx.cumprod(sign, axis=-2)
+        parity_ex = parity * sign
+        U = U * parity[..., :, :, None]
+        before, after = before * parity_ex, after * parity[..., -1:, :]
+        total = total * parity[..., -1, :]
+        weights = weights * parity_ex[..., :, None, :]
+    if vector:  # a product per state element: K to the batch
+        mixed = mx.swapaxes(mx.moveaxis(weights, -1, -3) @ mx.moveaxis(U, -2, -3), -3, -2)
+    else:
+        nc, K, V = U.shape[-3:]
+        mixed = (weights[..., 0] @ U.reshape(*U.shape[:-2], K * V)).reshape(U.shape)
+    starts = before[..., :, :, None] * S0[..., None, :, :] + mixed
+    final = total[..., :, None] * S0 + mx.sum(after[..., :, :, None] * U, axis=-3)
+    return starts, final
+
+
 class MatrixForm(SequentialForm):
     """Outputs and final states of a matrix-form recurrence by chunkwise matrix products."""
 
@@ -207,14 +236,10 @@ class MatrixForm(SequentialForm):
                 terms = [(a * sign, b) for a, b in terms]
             # the chunk's end state from its own inputs, and its decay over the whole chunk
             to_end = mx.exp(to_end) * sign_end
-            U = sum(mx.swapaxes(a * to_end, -1, -2) @ b for a, b in terms) if terms else None
-            D = mx.swapaxes(mx.exp(whole) * sign_end, -1, -2)  # (*batch, nc, K or 1, 1)
-            starts, S = [], S0
-            for c in range(chunks.nc):
-                starts.append(S)
-                S = D[..., c, :, :] * S + (U[..., c, :, :] if U is not None else 0.0)
+            U = sum(mx.swapaxes(a * to_end, -1, -2) @ b for a, b in terms) if terms else \
+                mx.zeros((*S0.shape[:nb], chunks.nc, *S0.shape[nb:]))
+            S_start, S = _carry(S0, whole[..., 0, :], sign_end if not st.positive else None, U)
             finals.append(S)
-            S_start = mx.stack(starts, axis=nb)
             for i, ro in enumerate(self.form.readouts):
                 if st.symbol not in ro.coefficients:
                     continue
