@@ -109,16 +109,10 @@ def test_damaged_runtime_is_rebuilt(tmp_path):
     """A zero-byte runtime library (another process's, as the runtime loads once per process)."""
     directory = tmp_path / "sim"
     directory.mkdir(mode=0o700)
-    key_expr = "compiler.cache_dir() / f'libmslsim_rt-{key}.so'"
-    probe = (tmp_path / "probe.py")
-    probe.write_text(textwrap.dedent(f"""
-        import hashlib
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
         from mlx_recgen.sim import compiler
-        key = hashlib.sha256((compiler.sources_hash()
-                              + compiler._compiler_id(compiler.find_compiler())).encode()
-                             ).hexdigest()[:24]
-        path = {key_expr}
-        path.write_bytes(b"")
+        compiler._runtime_path(compiler.find_compiler()).write_bytes(b"")
     """) + RUN)
     env = dict(os.environ, MLX_RECGEN_SIM_CACHE=str(directory), PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True,

@@ -210,6 +210,11 @@ def _load(path: Path, build, mode: int = ctypes.DEFAULT_MODE) -> ctypes.CDLL:
     raise AssertionError("unreachable")
 
 
+def _runtime_path(cxx: str) -> Path:
+    key = hashlib.sha256((sources_hash() + _compiler_id(cxx)).encode()).hexdigest()[:24]
+    return cache_dir() / f"libmslsim_rt-{key}.so"
+
+
 def runtime() -> ctypes.CDLL:
     """Build (once) and load the simulator runtime library (RTLD_GLOBAL)."""
     global _runtime
@@ -217,8 +222,7 @@ def runtime() -> ctypes.CDLL:
         if _runtime is not None:
             return _runtime
         cxx = find_compiler()
-        key = hashlib.sha256((sources_hash() + _compiler_id(cxx)).encode()).hexdigest()[:24]
-        path = cache_dir() / f"libmslsim_rt-{key}.so"
+        path = _runtime_path(cxx)
 
         def build():
             src = (CSRC / "msl_runtime.cpp").read_text()
