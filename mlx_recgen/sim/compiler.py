@@ -4,10 +4,22 @@
 * on disk: ``$MLX_RECGEN_SIM_CACHE`` or ``$XDG_CACHE_HOME/mlx-recgen/sim`` or
   ``~/.cache/mlx-recgen/sim``; files are written to a temporary name and renamed,
   so concurrent test processes can share the directory.
+
+The disk cache holds shared libraries that are loaded into the process, so a directory is used
+only if the current user owns it and no other user can write it (``mlx_recgen.cachedirs``);
+missing directories are created with mode 0700. When the configured directory cannot be used,
+``$TMPDIR/mlx-recgen-sim-<uid>`` is (created likewise), and when that one exists but fails the
+check, a fresh ``tempfile.mkdtemp()`` directory for this process; a directory refused because
+another user controls it is reported once with a ``RuntimeWarning``.
+
+Beside each library ``<name>.so`` lies ``<name>.so.sha256`` with its size and digest, written
+after the library; a library whose file does not match (zero bytes, truncated, garbage, or no
+record) is deleted and built again before it is loaded, as is one that fails to load.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -19,6 +31,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from .. import cachedirs
 from .errors import MetalCompileError, SimulatorSetupError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -29,23 +42,42 @@ _libs: dict[str, ctypes.CDLL] = {}
 _runtime: ctypes.CDLL | None = None
 _compiler: str | None = None
 _clang: str | None | bool = False  # False: not looked up yet
+_private: Path | None = None  # this process's own fallback directory, made when first needed
 
 
 def cache_dir() -> Path:
+    """The disk cache: the configured directory when only this user can write it, else a
+    private fallback (see the module docstring)."""
     d = os.environ.get("MLX_RECGEN_SIM_CACHE")
     if d:
         p = Path(d)
     else:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         p = Path(base) / "mlx-recgen" / "sim"
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        if not os.access(p, os.W_OK):
-            raise PermissionError(str(p))
-    except OSError:
-        p = Path(tempfile.gettempdir()) / f"mlx-recgen-sim-{os.getuid()}"
-        p.mkdir(parents=True, exist_ok=True)
-    return p
+    why, unsafe = cachedirs.prepare(p)
+    if why is None:
+        return p
+    fallback = _fallback_dir()
+    if unsafe:
+        cachedirs.warn_once("simulator cache", p, why, f"using {fallback} instead")
+    return fallback
+
+
+def _fallback_dir() -> Path:
+    """``$TMPDIR/mlx-recgen-sim-<uid>`` if it is (or can be made) private, else a directory of
+    this process's own: a predictable name in a shared directory may have been made by anyone."""
+    global _private
+    shared = Path(tempfile.gettempdir()) / f"mlx-recgen-sim-{os.getuid()}"
+    why, _ = cachedirs.prepare(shared)
+    if why is None:
+        return shared
+    with _lock:
+        if _private is None or not _private.is_dir():
+            _private = Path(tempfile.mkdtemp(prefix="mlx-recgen-sim-"))
+            atexit.register(shutil.rmtree, _private, ignore_errors=True)
+        private = _private
+    cachedirs.warn_once("simulator cache", shared, why, f"using {private} for this process")
+    return private
 
 
 def find_compiler() -> str:
@@ -106,6 +138,31 @@ def sources_hash() -> str:
     return _SRC_HASH
 
 
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _fingerprint(data: bytes) -> str:
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _intact(path: Path) -> bool:
+    """The library at ``path`` is the file that was built: its size and digest match the
+    record written beside it."""
+    try:
+        return _digest_path(path).read_text() == _fingerprint(path.read_bytes())
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _remove(path: Path) -> None:
+    for p in (path, _digest_path(path)):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
 def _atomic_compile(cmd_tail: list[str], src_text: str, out_path: Path, suffix: str,
                     cxx: str) -> subprocess.CompletedProcess:
     d = out_path.parent
@@ -113,19 +170,49 @@ def _atomic_compile(cmd_tail: list[str], src_text: str, out_path: Path, suffix: 
     with os.fdopen(fd, "w") as f:
         f.write(src_text)
     tmp_out = str(out_path) + f".tmp{os.getpid()}.{threading.get_ident()}"
+    tmp_digest = tmp_out + ".sha256"
     try:
         proc = subprocess.run([cxx, tmp_src, "-o", tmp_out] + cmd_tail,
                               capture_output=True, text=True)
         if proc.returncode == 0:
+            # on disk before it is named: a crash leaves no empty library under the final name
+            with open(tmp_out, "rb") as f:
+                data = f.read()
+                os.fsync(f.fileno())
+            with open(tmp_digest, "w") as f:
+                f.write(_fingerprint(data))
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp_out, out_path)
+            os.replace(tmp_digest, _digest_path(out_path))
         proc.tmp_src = tmp_src  # type: ignore[attr-defined]
         return proc
     finally:
-        for p in (tmp_src, tmp_out):
+        for p in (tmp_src, tmp_out, tmp_digest):
             try:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def _load(path: Path, build, mode: int = ctypes.DEFAULT_MODE) -> ctypes.CDLL:
+    """Load the library at ``path``, built by ``build()`` first when it is missing or not
+    intact; a library that fails to load is deleted and built once more."""
+    for attempt in range(2):
+        if attempt or not _intact(path):
+            _remove(path)
+            build()
+        try:
+            return ctypes.CDLL(str(path), mode=mode)
+        except OSError as e:
+            if attempt:
+                raise SimulatorSetupError(f"loading the simulator library {path} failed: {e}") from e
+    raise AssertionError("unreachable")
+
+
+def _runtime_path(cxx: str) -> Path:
+    key = hashlib.sha256((sources_hash() + _compiler_id(cxx)).encode()).hexdigest()[:24]
+    return cache_dir() / f"libmslsim_rt-{key}.so"
 
 
 def runtime() -> ctypes.CDLL:
@@ -135,16 +222,17 @@ def runtime() -> ctypes.CDLL:
         if _runtime is not None:
             return _runtime
         cxx = find_compiler()
-        key = hashlib.sha256((sources_hash() + _compiler_id(cxx)).encode()).hexdigest()[:24]
-        path = cache_dir() / f"libmslsim_rt-{key}.so"
-        if not path.exists():
+        path = _runtime_path(cxx)
+
+        def build():
             src = (CSRC / "msl_runtime.cpp").read_text()
             proc = _atomic_compile(
                 ["-std=c++17", "-O2", "-fPIC", "-shared", f"-I{CSRC}", "-x", "c++"],
                 src, path, ".cpp", cxx)
             if proc.returncode != 0:
                 raise SimulatorSetupError("building the simulator runtime failed:\n" + proc.stderr)
-        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+        lib = _load(path, build, mode=ctypes.RTLD_GLOBAL)
         lib.msl_launch.restype = ctypes.c_int
         lib.msl_launch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         _runtime = lib
@@ -185,7 +273,8 @@ def compile_kernel(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> c
         if lib is not None:
             return lib
         path = cache_dir() / f"k-{key}.so"
-        if not path.exists():
+
+        def build():
             proc = _atomic_compile(KERNEL_FLAGS + [f"-I{CSRC}", f"-I{CSRC / 'include'}", "-lm"],
                                    tu, path, ".cpp", cxx)
             if proc.returncode != 0:
@@ -193,7 +282,8 @@ def compile_kernel(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> c
                                           getattr(proc, "tmp_src", ""))
                 raise MetalCompileError(
                     f"kernel `{kernel_name}` failed to compile:\n{msg}", kernel=kernel_name)
-        lib = ctypes.CDLL(str(path))
+
+        lib = _load(path, build)
         _libs[key] = lib
         return lib
 
