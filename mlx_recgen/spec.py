@@ -31,6 +31,7 @@ import linecache
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -214,15 +215,41 @@ class Tracer:
         return values[0]
 
 
+# Tool ids that no debugger (0), coverage tool (1) or profiler (2) claims by convention.
+_TOOL_IDS = (5, 4, 3)
+# One body is traced at a time: sys.monitoring's tool ids and local events are process-wide, so
+# two threads tracing bodies of one code object (closures of one factory) would each see the
+# other's returns. Reentrant: a body may define a spec on its own thread.
+_TRACING = threading.RLock()
+
+
 def _run_capturing_locals(fn, kwargs):
     """Call ``fn(**kwargs)`` and return (result, its locals at return).
 
     The locals are read from ``fn``'s frame when it returns, without disturbing a profiler,
     tracer or debugger the caller has running: on Python 3.12+ through a ``sys.monitoring``
-    return event local to ``fn``'s code; before 3.12 through a profile hook on this thread, after
-    which the caller's hook is reinstated (a Python hook with ``sys.setprofile``, cProfile's by
-    re-enabling it, which keeps its settings). Another C-level hook, which cannot be reinstated,
-    is left untouched by running ``fn`` on a helper thread."""
+    return event local to ``fn``'s code, recorded for this thread's call only; before 3.12
+    through a profile hook on this thread, after which the caller's hook is reinstated (a Python
+    hook with ``sys.setprofile``, cProfile's by re-enabling it, which keeps its settings).
+    Another C-level hook, which cannot be reinstated, is left untouched by running ``fn`` on a
+    helper thread. Safe to call from several threads: they trace one at a time."""
+    with _TRACING:
+        return _run_capturing_locals_locked(fn, kwargs)
+
+
+def _claim_tool_id(monitoring):
+    """A ``sys.monitoring`` tool id claimed for tracing, or None when another tool holds each of
+    ``_TOOL_IDS``. Claimed, not looked up first: another thread may claim an id in between."""
+    for tool in _TOOL_IDS:
+        try:
+            monitoring.use_tool_id(tool, "mlx-recgen spec tracing")
+        except ValueError:  # in use
+            continue
+        return tool
+    return None
+
+
+def _run_capturing_locals_locked(fn, kwargs):
     captured = {}
     code = fn.__code__
 
@@ -232,15 +259,18 @@ def _run_capturing_locals(fn, kwargs):
             captured.update(frame.f_locals)
 
     monitoring = getattr(sys, "monitoring", None)
-    tool = None
-    if monitoring is not None:
-        tool = next((i for i in (5, 4, 3) if monitoring.get_tool(i) is None), None)
+    tool = None if monitoring is None else _claim_tool_id(monitoring)
     if tool is not None:
         events = monitoring.events
-        monitoring.use_tool_id(tool, "mlx-recgen spec tracing")
+        tracing_thread = threading.get_ident()
+
+        def on_return(_code, _offset, _value):
+            # local events fire on every thread that runs ``code``; only this one's call counts
+            if threading.get_ident() == tracing_thread:
+                keep(sys._getframe(1))
+
         try:
-            monitoring.register_callback(
-                tool, events.PY_RETURN, lambda c, offset, value: keep(sys._getframe(1)))
+            monitoring.register_callback(tool, events.PY_RETURN, on_return)
             monitoring.set_local_events(tool, code, events.PY_RETURN)
             result = fn(**kwargs)
         finally:
@@ -273,7 +303,6 @@ def _run_capturing_locals(fn, kwargs):
             return run(), captured
         finally:
             old.enable()  # no arguments: its subcalls/builtins settings are kept
-    import threading
 
     outcome = []
 
