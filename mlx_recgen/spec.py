@@ -49,7 +49,7 @@ def _parse_axes(spec: str, tensor: str, text) -> tuple:
         raise SpecError(spec, f"tensor '{tensor}': axes must be a string like \"B L H P\", got {text!r}")
     axes = []
     for token in text.split():
-        if token.isdigit():
+        if token.isdecimal():
             if int(token) < 1:
                 raise SpecError(spec, f"tensor '{tensor}': component axis size must be >= 1")
             axes.append(int(token))
@@ -389,8 +389,26 @@ class Spec:
         return symbol in self.vector_symbols
 
 
+# A spec's name reaches generated code (kernel names, comments): letters, digits, "_", "-" and
+# ".", starting with a letter or "_"; never a space, quote, newline or other control character.
+_SPEC_NAME = re.compile(r"[^\W\d][\w.-]*")
+
+
+def _spec_name(fn, name) -> str:
+    """The spec's name, ``name`` or else the body's, checked against ``_SPEC_NAME``."""
+    given = name is not None
+    if not given:
+        name = getattr(fn, "__name__", None)
+    if isinstance(name, str) and _SPEC_NAME.fullmatch(name):
+        return name
+    shown = name.encode("unicode_escape").decode() if isinstance(name, str) else repr(name)
+    raise SpecError(shown, "a spec name is made of letters, digits, '_', '-' and '.' and starts "
+                           "with a letter or '_' (it names the generated kernels)"
+                    + ("" if given else "; name the spec with name=..."))
+
+
 def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=None) -> Spec:
-    spec_name = name or fn.__name__
+    spec_name = _spec_name(fn, name)
     for arg, value in (("state", state), ("inputs", inputs), ("outputs", outputs)):
         if not isinstance(value, dict) or not value:
             raise SpecError(spec_name, f"'{arg}' must be a non-empty dict of name -> axes")
@@ -402,7 +420,7 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
     seen = set()
     for group in (state, inputs, outputs):
         for tname in group:
-            if not str(tname).isidentifier():
+            if not (isinstance(tname, str) and tname.isidentifier()):
                 raise SpecError(spec_name, f"'{tname}' is not a valid tensor name")
             if tname in seen:
                 raise SpecError(spec_name, f"tensor name '{tname}' is declared twice")

@@ -374,6 +374,38 @@ def test_tensor_names_must_be_identifiers():
             return {"1x": h}
 
 
+@pytest.mark.parametrize("name", ["x\n#error injected", "x\r", "x\x00", "x */", "a b", "q'",
+                                  "1x", "", "x\u2028y", 5])
+def test_spec_names_that_could_reach_kernel_text_are_refused(name):
+    """A spec's name reaches generated code (kernel names, a comment atop each kernel): a
+    newline there would end the comment and compile what follows."""
+    with pytest.raises(rg.SpecError, match=r"a spec name is made of letters, digits, '_', '-' "
+                                           r"and '\.' and starts with a letter or '_'"):
+        rg.recurrence(**SCALAR, name=name)(_scalar_body)
+
+
+def test_a_body_whose_name_names_no_spec():
+    with pytest.raises(rg.SpecError, match=r"spec '<lambda>': a spec name is made of .*; name "
+                                           r"the spec with name=\.\.\."):
+        rg.recurrence(**SCALAR)(lambda h, a, x: {"y": h})
+
+
+def _scalar_body(h, a, x):
+    h = a * h + x
+    return {"y": h}
+
+
+@pytest.mark.parametrize("bad", ["x\n", "x y", "", 5, ("x",), sympy.Symbol("z")])
+def test_tensor_names_that_are_not_identifiers(bad):
+    with pytest.raises(rg.SpecError, match=r"is not a valid tensor name"):
+        rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", bad: "B L D"}), name="t")(_scalar_body)
+
+
+def test_a_digit_that_is_not_a_decimal_is_no_component_size():
+    with pytest.raises(rg.SpecError, match=r"tensor 'x': '²' is not an axis name"):
+        rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", "x": "B L D ²"}))(_scalar_body)
+
+
 # ---------------------------------------------------------------------------------------------
 # Plain Python on traced values: the error names the spec language's answer
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import mlx.core as mx
 import pytest
 
 import mlx_recgen as rg
-from mlx_recgen.render.names import PREFIX, MLX_INPUT_SUFFIXES, Identifiers, kernel_identifiers
+from mlx_recgen.render.names import (PREFIX, MLX_INPUT_SUFFIXES, Identifiers, kernel_identifiers,
+                                     kernel_name)
 from mlx_recgen.schedule import MetaLayout
 
 
@@ -52,3 +53,20 @@ def test_contrived_spec_runs_on_the_simulator():
               mx.random.normal((b, L, P)), mx.random.normal((P,)) * 0.5]
     states = [mx.random.normal((b, P, N)), mx.random.normal((b, P))]
     _check_against_reference(contrived, inputs, states, "metal-sim", seg=4)
+
+
+@pytest.mark.parametrize("name", ["rg-lru", "gla.v2", "λ_scan"])
+def test_spec_names_beyond_identifiers(name):
+    """Names with '-', '.' or non-ASCII letters are accepted; the kernels are named by an ASCII
+    C identifier, and the name itself appears only in the comment atop the kernel."""
+    rec = rg.recurrence(lane="D", state={"h": "B D"}, inputs={"a": "B L D", "x": "B L D"},
+                        outputs={"y": "B L D"}, name=name)(_lru)
+    assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", kernel_name(rec.spec.name, "forward"))
+    lines = rec.source("forward", backend="metal").splitlines()
+    assert [line for line in lines if name in line] == [
+        next(line for line in lines if line.startswith(f"// mlx-recgen: spec '{name}', "))]
+
+
+def _lru(h, a, x):
+    h = a * h + x
+    return {"y": h}
