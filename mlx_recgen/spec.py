@@ -389,6 +389,13 @@ class Spec:
         return symbol in self.vector_symbols
 
 
+# The keyword options of a recurrence's call (``Recurrence.__call__``; ``KERNEL_OPTIONS`` are
+# those of the kernel backends only). No input may take one of these names: it could not be
+# passed by keyword.
+KERNEL_OPTIONS = ("threads", "split")
+CALL_OPTIONS = ("initial_state", "return_state", "backend", "seg", "schedule", "group",
+                *KERNEL_OPTIONS)
+
 # A spec's name reaches generated code (kernel names, comments): letters, digits, "_", "-" and
 # ".", starting with a letter or "_"; never a space, quote, newline or other control character.
 _SPEC_NAME = re.compile(r"[^\W\d][\w.-]*")
@@ -425,6 +432,10 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
             if tname in seen:
                 raise SpecError(spec_name, f"tensor name '{tname}' is declared twice")
             seen.add(tname)
+    clashes = [t for t in inputs if t in CALL_OPTIONS]
+    if clashes:
+        raise SpecError(spec_name, f"input '{clashes[0]}' is named like an option of the call; "
+                                   f"the call's options {list(CALL_OPTIONS)} cannot name inputs")
 
     raw = {}
     for kind, group in (("state", state), ("input", inputs), ("output", outputs)):
@@ -729,4 +740,5 @@ def _uses_vector_outside_reduce(spec, expr) -> bool:
     return any(_uses_vector_outside_reduce(spec, a) for a in expr.args)
 
 
-__all__ = ["Spec", "Tensor", "Slot", "Sum", "Reduce", "StateIndex", "build_spec"]
+__all__ = ["Spec", "Tensor", "Slot", "Sum", "Reduce", "StateIndex", "build_spec", "CALL_OPTIONS",
+           "KERNEL_OPTIONS"]

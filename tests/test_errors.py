@@ -1,6 +1,7 @@
 """Errors: bad call inputs raise TypeError/ValueError naming the argument and the problem; bad
 specs raise SpecError at decoration time naming the spec, the symbol and the problem."""
 
+import inspect
 import re
 
 import mlx.core as mx
@@ -404,6 +405,44 @@ def test_tensor_names_that_are_not_identifiers(bad):
 def test_a_digit_that_is_not_a_decimal_is_no_component_size():
     with pytest.raises(rg.SpecError, match=r"tensor 'x': '²' is not an axis name"):
         rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", "x": "B L D ²"}))(_scalar_body)
+
+
+@pytest.mark.parametrize("option", ["group", "seg", "backend", "schedule", "threads", "split",
+                                    "initial_state", "return_state"])
+def test_inputs_named_like_call_options_are_refused(option):
+    """An input named like an option of the call could not be passed by keyword."""
+    options = ("['initial_state', 'return_state', 'backend', 'seg', 'schedule', 'group', "
+               "'threads', 'split']")
+    with pytest.raises(rg.SpecError, match=re.escape(
+            f"spec 'opt': input '{option}' is named like an option of the call; the call's "
+            f"options {options} cannot name inputs")):
+        rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", option: "B L D"}), name="opt")(
+            _scalar_body)
+
+
+def test_call_options_are_the_keywords_of_the_call():
+    """The names refused for inputs are the call's keyword options, those of its signature and
+    those the kernel backends take from its keywords."""
+    from mlx_recgen.function import Recurrence
+    from mlx_recgen.spec import CALL_OPTIONS, KERNEL_OPTIONS
+
+    keywords = [p.name for p in inspect.signature(Recurrence.__call__).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert sorted(CALL_OPTIONS) == sorted([*keywords, *KERNEL_OPTIONS])
+
+
+def test_states_and_outputs_may_be_named_like_call_options():
+    @rg.recurrence(lane="D", state={"seg": "B D"}, inputs={"a": "B L D", "x": "B L D"},
+                   outputs={"backend": "B L D"})
+    def named(seg, a, x):
+        seg = a * seg + x
+        return {"backend": seg}
+
+    a, x, h0 = mx.random.normal((2, 3, 4)), mx.random.normal((2, 3, 4)), mx.random.normal((2, 4))
+    y, h = named(a=a, x=x, initial_state={"seg": h0}, return_state=True, backend="mlx")
+    assert mx.allclose(h, a[:, 2] * (a[:, 1] * (a[:, 0] * h0 + x[:, 0]) + x[:, 1]) + x[:, 2],
+                       atol=1e-5)
+    assert mx.allclose(y[:, 2], h)
 
 
 # ---------------------------------------------------------------------------------------------
