@@ -32,6 +32,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -599,7 +600,19 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
         reduce_names=reduce_names, source_file=inspect.getsourcefile(fn), groups=groups,
     )
     _validate_expressions(spec)
+    _warn_unread_inputs(spec)
     return spec
+
+
+def _warn_unread_inputs(spec: Spec):
+    """A ``UserWarning`` for each input that no state update or output depends on: it is passed
+    and checked at every call for nothing (a use misspelt, or one left over)."""
+    exprs = [*spec.state_updates.values(), *spec.output_exprs.values()]
+    read = set().union(*(e.free_symbols for e in exprs))
+    for t in spec.inputs.values():
+        if not any(spec.symbols[Slot(t.name, c)] in read for c in range(t.components)):
+            warnings.warn(f"spec '{spec.name}': input '{t.name}' is never read: no state update "
+                          "or output depends on it", UserWarning, stacklevel=4)
 
 
 _RELATIONALS = ("StrictGreaterThan", "GreaterThan", "StrictLessThan", "LessThan", "Equality",
@@ -607,28 +620,83 @@ _RELATIONALS = ("StrictGreaterThan", "GreaterThan", "StrictLessThan", "LessThan"
 _BUILTIN_MAX_MIN = re.compile(r"(?<![\w.])(max|min)\s*\(")
 
 
-def _user_line(exc) -> str:
-    """The source line of the innermost frame outside sympy and mlx_recgen that ``exc`` passed
-    through (the body, or a helper it called), or ``""``."""
+def _user_frame(exc):
+    """(source line, frame) of the innermost frame outside sympy, NumPy, MLX and mlx_recgen that
+    ``exc`` passed through (the body, or a helper it called), or ``("", None)``."""
     package = os.path.dirname(__file__)
-    skip = (os.path.dirname(sympy.__file__) + os.sep, package + os.sep)
+    skip = [os.path.dirname(sympy.__file__) + os.sep, package + os.sep]
+    for name in ("numpy", "mlx.core"):  # their Python wrappers, e.g. numpy.clip
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None):
+            skip.append(os.path.dirname(module.__file__) + os.sep)
     specs = os.path.join(package, "specs") + os.sep  # bundled specs, in an installed wheel
-    line = ""
+    line, frame = "", None
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not filename.startswith(skip) or filename.startswith(specs):
+        if not filename.startswith(tuple(skip)) or filename.startswith(specs):
             line = linecache.getline(filename, tb.tb_lineno).strip()
+            frame = tb.tb_frame
         tb = tb.tb_next
-    return line
+    return line, frame
+
+
+# Libraries of array and math functions that a body may reach for (by the root of a function's
+# ``__module__``); they cannot take the symbols a body is traced on.
+_LIBRARIES = {"mlx": "MLX", "numpy": "NumPy", "math": "Python's math module",
+              "cmath": "Python's cmath module"}
+# Their names for functions the spec language has under another name.
+_ALIASES = {"power": "pow", "absolute": "abs", "fabs": "abs", "fmax": "maximum", "fmin": "minimum"}
+# How they fail on a sympy expression: MLX, math (via float()) and a NumPy ufunc.
+_LIBRARY_FAILURES = ("received in array initialization", "Cannot convert expression to float",
+                     "loop of ufunc does not support", "has no callable")
+_CALL = re.compile(r"(?<![\w.])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\s*\(")
+
+
+def _library_calls(line, frame) -> list:
+    """``(as written, library, function name)`` of each call on ``line`` whose function,
+    resolved in ``frame``, belongs to one of ``_LIBRARIES``."""
+    if frame is None:
+        return []
+    namespaces = (frame.f_locals, frame.f_globals, frame.f_builtins)
+    found = []
+    for written in _CALL.findall(line):
+        head, *rest = written.split(".")
+        try:  # the user's objects: an attribute lookup may run their code
+            obj = next((ns[head] for ns in namespaces if head in ns), None)
+            for attr in rest:
+                obj = getattr(obj, attr, None)
+            root = (getattr(obj, "__module__", None) or "").split(".")[0]
+        except Exception:
+            continue
+        if root in _LIBRARIES and callable(obj):
+            name = getattr(obj, "__name__", written.rsplit(".", 1)[-1])
+            found.append((written, _LIBRARIES[root], name))
+    return found
+
+
+def _library_call_hint(where, calls) -> str:
+    """The message for a body that applied a library's function to traced values."""
+    from . import functions
+
+    written, library, fname = calls[0]
+    fname = _ALIASES.get(fname, fname)
+    use = (f"use rg.{fname}" if fname in functions.__all__ else
+           f"the spec language's functions are {', '.join('rg.' + f for f in functions.__all__)}")
+    return (f"{where} calls {written}, a function of {library}, on a traced value: the body "
+            f"runs once on symbols, which {library} cannot take; {use}")
 
 
 def _explain_body_error(exc) -> str:
     """The message of a ``SpecError`` for an exception the body raised while traced: the
     exception and, for plain Python applied to traced values, the spec language's answer."""
-    line = _user_line(exc)
+    line, frame = _user_frame(exc)
     where = f"`{line}`" if line else "the body"
     message = str(exc)
+    calls = _library_calls(line, frame) if isinstance(exc, (TypeError, ValueError,
+                                                            AttributeError)) else []
+    if calls and any(f in message for f in _LIBRARY_FAILURES):
+        return _library_call_hint(where, calls)
     if isinstance(exc, TypeError) and "truth value of Relational" in message:
         match = _BUILTIN_MAX_MIN.search(line)
         if match:
@@ -636,6 +704,8 @@ def _explain_body_error(exc) -> str:
             return (f"{where} calls the builtin {name}() on traced values, which has to compare "
                     f"them while tracing; use rg.{'maximum' if name == 'max' else 'minimum'}"
                     f"(a, b)")
+        if calls:  # e.g. numpy.maximum, numpy.where: they compare traced values
+            return _library_call_hint(where, calls)
         return (f"{where} branches on a traced value: a Python `if`, `and`, `or`, `not`, "
                 "conditional expression or chained comparison (`a < x < b`) needs a truth value "
                 "that is unknown while tracing; use rg.where(cond, a, b) for a data-dependent "
