@@ -19,7 +19,7 @@ from .affine import analyse, segment_summary
 from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
 from .schedule import choose as choose_schedule
-from .spec import Spec
+from .spec import KERNEL_OPTIONS, Spec
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # bool and integer inputs (masks, lengths, positions): accepted, never differentiated
@@ -434,7 +434,7 @@ class Recurrence:
         one, or its twin without gradients for bool and integer inputs —, backend implementation,
         seg, sizes, output dtype, kernel options, inputs, initial states)``."""
         kwargs = dict(kwargs)
-        options = {k: kwargs.pop(k) for k in ("threads", "split") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in KERNEL_OPTIONS if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
         if seg is not None:
             seg = positive_int(f"{self.name}()", "seg", seg)

@@ -31,6 +31,8 @@ import linecache
 import os
 import re
 import sys
+import threading
+import warnings
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -48,7 +50,7 @@ def _parse_axes(spec: str, tensor: str, text) -> tuple:
         raise SpecError(spec, f"tensor '{tensor}': axes must be a string like \"B L H P\", got {text!r}")
     axes = []
     for token in text.split():
-        if token.isdigit():
+        if token.isdecimal():
             if int(token) < 1:
                 raise SpecError(spec, f"tensor '{tensor}': component axis size must be >= 1")
             axes.append(int(token))
@@ -214,15 +216,41 @@ class Tracer:
         return values[0]
 
 
+# Tool ids that no debugger (0), coverage tool (1) or profiler (2) claims by convention.
+_TOOL_IDS = (5, 4, 3)
+# One body is traced at a time: sys.monitoring's tool ids and local events are process-wide, so
+# two threads tracing bodies of one code object (closures of one factory) would each see the
+# other's returns. Reentrant: a body may define a spec on its own thread.
+_TRACING = threading.RLock()
+
+
 def _run_capturing_locals(fn, kwargs):
     """Call ``fn(**kwargs)`` and return (result, its locals at return).
 
     The locals are read from ``fn``'s frame when it returns, without disturbing a profiler,
     tracer or debugger the caller has running: on Python 3.12+ through a ``sys.monitoring``
-    return event local to ``fn``'s code; before 3.12 through a profile hook on this thread, after
-    which the caller's hook is reinstated (a Python hook with ``sys.setprofile``, cProfile's by
-    re-enabling it, which keeps its settings). Another C-level hook, which cannot be reinstated,
-    is left untouched by running ``fn`` on a helper thread."""
+    return event local to ``fn``'s code, recorded for this thread's call only; before 3.12
+    through a profile hook on this thread, after which the caller's hook is reinstated (a Python
+    hook with ``sys.setprofile``, cProfile's by re-enabling it, which keeps its settings).
+    Another C-level hook, which cannot be reinstated, is left untouched by running ``fn`` on a
+    helper thread. Safe to call from several threads: they trace one at a time."""
+    with _TRACING:
+        return _run_capturing_locals_locked(fn, kwargs)
+
+
+def _claim_tool_id(monitoring):
+    """A ``sys.monitoring`` tool id claimed for tracing, or None when another tool holds each of
+    ``_TOOL_IDS``. Claimed, not looked up first: another thread may claim an id in between."""
+    for tool in _TOOL_IDS:
+        try:
+            monitoring.use_tool_id(tool, "mlx-recgen spec tracing")
+        except ValueError:  # in use
+            continue
+        return tool
+    return None
+
+
+def _run_capturing_locals_locked(fn, kwargs):
     captured = {}
     code = fn.__code__
 
@@ -232,15 +260,18 @@ def _run_capturing_locals(fn, kwargs):
             captured.update(frame.f_locals)
 
     monitoring = getattr(sys, "monitoring", None)
-    tool = None
-    if monitoring is not None:
-        tool = next((i for i in (5, 4, 3) if monitoring.get_tool(i) is None), None)
+    tool = None if monitoring is None else _claim_tool_id(monitoring)
     if tool is not None:
         events = monitoring.events
-        monitoring.use_tool_id(tool, "mlx-recgen spec tracing")
+        tracing_thread = threading.get_ident()
+
+        def on_return(_code, _offset, _value):
+            # local events fire on every thread that runs ``code``; only this one's call counts
+            if threading.get_ident() == tracing_thread:
+                keep(sys._getframe(1))
+
         try:
-            monitoring.register_callback(
-                tool, events.PY_RETURN, lambda c, offset, value: keep(sys._getframe(1)))
+            monitoring.register_callback(tool, events.PY_RETURN, on_return)
             monitoring.set_local_events(tool, code, events.PY_RETURN)
             result = fn(**kwargs)
         finally:
@@ -273,7 +304,6 @@ def _run_capturing_locals(fn, kwargs):
             return run(), captured
         finally:
             old.enable()  # no arguments: its subcalls/builtins settings are kept
-    import threading
 
     outcome = []
 
@@ -360,8 +390,33 @@ class Spec:
         return symbol in self.vector_symbols
 
 
+# The keyword options of a recurrence's call (``Recurrence.__call__``; ``KERNEL_OPTIONS`` are
+# those of the kernel backends only). No input may take one of these names: it could not be
+# passed by keyword.
+KERNEL_OPTIONS = ("threads", "split")
+CALL_OPTIONS = ("initial_state", "return_state", "backend", "seg", "schedule", "group",
+                *KERNEL_OPTIONS)
+
+# A spec's name reaches generated code (kernel names, comments): letters, digits, "_", "-" and
+# ".", starting with a letter or "_"; never a space, quote, newline or other control character.
+_SPEC_NAME = re.compile(r"[^\W\d][\w.-]*")
+
+
+def _spec_name(fn, name) -> str:
+    """The spec's name, ``name`` or else the body's, checked against ``_SPEC_NAME``."""
+    given = name is not None
+    if not given:
+        name = getattr(fn, "__name__", None)
+    if isinstance(name, str) and _SPEC_NAME.fullmatch(name):
+        return name
+    shown = name.encode("unicode_escape").decode() if isinstance(name, str) else repr(name)
+    raise SpecError(shown, "a spec name is made of letters, digits, '_', '-' and '.' and starts "
+                           "with a letter or '_' (it names the generated kernels)"
+                    + ("" if given else "; name the spec with name=..."))
+
+
 def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=None) -> Spec:
-    spec_name = name or fn.__name__
+    spec_name = _spec_name(fn, name)
     for arg, value in (("state", state), ("inputs", inputs), ("outputs", outputs)):
         if not isinstance(value, dict) or not value:
             raise SpecError(spec_name, f"'{arg}' must be a non-empty dict of name -> axes")
@@ -373,11 +428,15 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
     seen = set()
     for group in (state, inputs, outputs):
         for tname in group:
-            if not str(tname).isidentifier():
+            if not (isinstance(tname, str) and tname.isidentifier()):
                 raise SpecError(spec_name, f"'{tname}' is not a valid tensor name")
             if tname in seen:
                 raise SpecError(spec_name, f"tensor name '{tname}' is declared twice")
             seen.add(tname)
+    clashes = [t for t in inputs if t in CALL_OPTIONS]
+    if clashes:
+        raise SpecError(spec_name, f"input '{clashes[0]}' is named like an option of the call; "
+                                   f"the call's options {list(CALL_OPTIONS)} cannot name inputs")
 
     raw = {}
     for kind, group in (("state", state), ("input", inputs), ("output", outputs)):
@@ -541,7 +600,19 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
         reduce_names=reduce_names, source_file=inspect.getsourcefile(fn), groups=groups,
     )
     _validate_expressions(spec)
+    _warn_unread_inputs(spec)
     return spec
+
+
+def _warn_unread_inputs(spec: Spec):
+    """A ``UserWarning`` for each input that no state update or output depends on: it is passed
+    and checked at every call for nothing (a use misspelt, or one left over)."""
+    exprs = [*spec.state_updates.values(), *spec.output_exprs.values()]
+    read = set().union(*(e.free_symbols for e in exprs))
+    for t in spec.inputs.values():
+        if not any(spec.symbols[Slot(t.name, c)] in read for c in range(t.components)):
+            warnings.warn(f"spec '{spec.name}': input '{t.name}' is never read: no state update "
+                          "or output depends on it", UserWarning, stacklevel=4)
 
 
 _RELATIONALS = ("StrictGreaterThan", "GreaterThan", "StrictLessThan", "LessThan", "Equality",
@@ -549,28 +620,83 @@ _RELATIONALS = ("StrictGreaterThan", "GreaterThan", "StrictLessThan", "LessThan"
 _BUILTIN_MAX_MIN = re.compile(r"(?<![\w.])(max|min)\s*\(")
 
 
-def _user_line(exc) -> str:
-    """The source line of the innermost frame outside sympy and mlx_recgen that ``exc`` passed
-    through (the body, or a helper it called), or ``""``."""
+def _user_frame(exc):
+    """(source line, frame) of the innermost frame outside sympy, NumPy, MLX and mlx_recgen that
+    ``exc`` passed through (the body, or a helper it called), or ``("", None)``."""
     package = os.path.dirname(__file__)
-    skip = (os.path.dirname(sympy.__file__) + os.sep, package + os.sep)
+    skip = [os.path.dirname(sympy.__file__) + os.sep, package + os.sep]
+    for name in ("numpy", "mlx.core"):  # their Python wrappers, e.g. numpy.clip
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None):
+            skip.append(os.path.dirname(module.__file__) + os.sep)
     specs = os.path.join(package, "specs") + os.sep  # bundled specs, in an installed wheel
-    line = ""
+    line, frame = "", None
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not filename.startswith(skip) or filename.startswith(specs):
+        if not filename.startswith(tuple(skip)) or filename.startswith(specs):
             line = linecache.getline(filename, tb.tb_lineno).strip()
+            frame = tb.tb_frame
         tb = tb.tb_next
-    return line
+    return line, frame
+
+
+# Libraries of array and math functions that a body may reach for (by the root of a function's
+# ``__module__``); they cannot take the symbols a body is traced on.
+_LIBRARIES = {"mlx": "MLX", "numpy": "NumPy", "math": "Python's math module",
+              "cmath": "Python's cmath module"}
+# Their names for functions the spec language has under another name.
+_ALIASES = {"power": "pow", "absolute": "abs", "fabs": "abs", "fmax": "maximum", "fmin": "minimum"}
+# How they fail on a sympy expression: MLX, math (via float()) and a NumPy ufunc.
+_LIBRARY_FAILURES = ("received in array initialization", "Cannot convert expression to float",
+                     "loop of ufunc does not support", "has no callable")
+_CALL = re.compile(r"(?<![\w.])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\s*\(")
+
+
+def _library_calls(line, frame) -> list:
+    """``(as written, library, function name)`` of each call on ``line`` whose function,
+    resolved in ``frame``, belongs to one of ``_LIBRARIES``."""
+    if frame is None:
+        return []
+    namespaces = (frame.f_locals, frame.f_globals, frame.f_builtins)
+    found = []
+    for written in _CALL.findall(line):
+        head, *rest = written.split(".")
+        try:  # the user's objects: an attribute lookup may run their code
+            obj = next((ns[head] for ns in namespaces if head in ns), None)
+            for attr in rest:
+                obj = getattr(obj, attr, None)
+            root = (getattr(obj, "__module__", None) or "").split(".")[0]
+        except Exception:
+            continue
+        if root in _LIBRARIES and callable(obj):
+            name = getattr(obj, "__name__", written.rsplit(".", 1)[-1])
+            found.append((written, _LIBRARIES[root], name))
+    return found
+
+
+def _library_call_hint(where, calls) -> str:
+    """The message for a body that applied a library's function to traced values."""
+    from . import functions
+
+    written, library, fname = calls[0]
+    fname = _ALIASES.get(fname, fname)
+    use = (f"use rg.{fname}" if fname in functions.__all__ else
+           f"the spec language's functions are {', '.join('rg.' + f for f in functions.__all__)}")
+    return (f"{where} calls {written}, a function of {library}, on a traced value: the body "
+            f"runs once on symbols, which {library} cannot take; {use}")
 
 
 def _explain_body_error(exc) -> str:
     """The message of a ``SpecError`` for an exception the body raised while traced: the
     exception and, for plain Python applied to traced values, the spec language's answer."""
-    line = _user_line(exc)
+    line, frame = _user_frame(exc)
     where = f"`{line}`" if line else "the body"
     message = str(exc)
+    calls = _library_calls(line, frame) if isinstance(exc, (TypeError, ValueError,
+                                                            AttributeError)) else []
+    if calls and any(f in message for f in _LIBRARY_FAILURES):
+        return _library_call_hint(where, calls)
     if isinstance(exc, TypeError) and "truth value of Relational" in message:
         match = _BUILTIN_MAX_MIN.search(line)
         if match:
@@ -578,6 +704,8 @@ def _explain_body_error(exc) -> str:
             return (f"{where} calls the builtin {name}() on traced values, which has to compare "
                     f"them while tracing; use rg.{'maximum' if name == 'max' else 'minimum'}"
                     f"(a, b)")
+        if calls:  # e.g. numpy.maximum, numpy.where: they compare traced values
+            return _library_call_hint(where, calls)
         return (f"{where} branches on a traced value: a Python `if`, `and`, `or`, `not`, "
                 "conditional expression or chained comparison (`a < x < b`) needs a truth value "
                 "that is unknown while tracing; use rg.where(cond, a, b) for a data-dependent "
@@ -682,4 +810,5 @@ def _uses_vector_outside_reduce(spec, expr) -> bool:
     return any(_uses_vector_outside_reduce(spec, a) for a in expr.args)
 
 
-__all__ = ["Spec", "Tensor", "Slot", "Sum", "Reduce", "StateIndex", "build_spec"]
+__all__ = ["Spec", "Tensor", "Slot", "Sum", "Reduce", "StateIndex", "build_spec", "CALL_OPTIONS",
+           "KERNEL_OPTIONS"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
+import linecache
 from pathlib import Path
 
 from .errors import SpecError
@@ -15,6 +17,8 @@ def list_specs() -> list:
     return sorted(p.stem for p in specs_dir().glob("*.py") if not p.stem.startswith("_"))
 
 
+# (resolved path, recurrence name or None) -> (sha256 of the file's bytes, the recurrence): a
+# file edited since it was loaded is loaded again.
 _cache: dict = {}
 
 
@@ -22,7 +26,8 @@ def load_spec(name_or_path):
     """A ``Recurrence`` from a bundled spec name (``"ssd"``) or a user's file (``"my_spec.py"``).
 
     A file must define exactly one recurrence at module level, or name one with
-    ``path.py:name``."""
+    ``path.py:name``. A file is run once per content: loading it again returns the same
+    recurrence until the file changes."""
     from .function import Recurrence
 
     text = str(name_or_path)
@@ -38,12 +43,18 @@ def load_spec(name_or_path):
     if not path.is_file():
         raise FileNotFoundError(f"spec file not found: {path}")
     key = (str(path.resolve()), attr)
-    if key in _cache:
-        return _cache[key]
+    source = path.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()
+    if key in _cache and _cache[key][0] == digest:
+        return _cache[key][1]
     module_name = f"mlx_recgen_spec_{path.stem}_{abs(hash(key))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader_spec)
-    loader_spec.loader.exec_module(module)
+    # compiled from the bytes just read, not through the loader: its bytecode cache trusts a
+    # file's mtime in whole seconds and its size, so it would run an edit of the same size
+    # made within the second as the old text
+    linecache.checkcache(str(path))  # errors quote the body's lines from the text that runs
+    exec(compile(source, str(path), "exec"), vars(module))
     found = {k: v for k, v in vars(module).items() if isinstance(v, Recurrence)}
     if attr is not None:
         if attr not in found:
@@ -61,5 +72,5 @@ def load_spec(name_or_path):
                                    "name one as path.py:name")
     if not rec.spec.doc and module.__doc__:
         rec.spec.doc = inspect.cleandoc(module.__doc__)
-    _cache[key] = rec
+    _cache[key] = (digest, rec)
     return rec

@@ -1,7 +1,11 @@
 """Errors: bad call inputs raise TypeError/ValueError naming the argument and the problem; bad
 specs raise SpecError at decoration time naming the spec, the symbol and the problem."""
 
+import inspect
+import math
 import re
+import warnings
+from math import sqrt
 
 import mlx.core as mx
 import numpy as np
@@ -374,6 +378,76 @@ def test_tensor_names_must_be_identifiers():
             return {"1x": h}
 
 
+@pytest.mark.parametrize("name", ["x\n#error injected", "x\r", "x\x00", "x */", "a b", "q'",
+                                  "1x", "", "x\u2028y", 5])
+def test_spec_names_that_could_reach_kernel_text_are_refused(name):
+    """A spec's name reaches generated code (kernel names, a comment atop each kernel): a
+    newline there would end the comment and compile what follows."""
+    with pytest.raises(rg.SpecError, match=r"a spec name is made of letters, digits, '_', '-' "
+                                           r"and '\.' and starts with a letter or '_'"):
+        rg.recurrence(**SCALAR, name=name)(_scalar_body)
+
+
+def test_a_body_whose_name_names_no_spec():
+    with pytest.raises(rg.SpecError, match=r"spec '<lambda>': a spec name is made of .*; name "
+                                           r"the spec with name=\.\.\."):
+        rg.recurrence(**SCALAR)(lambda h, a, x: {"y": h})
+
+
+def _scalar_body(h, a, x):
+    h = a * h + x
+    return {"y": h}
+
+
+@pytest.mark.parametrize("bad", ["x\n", "x y", "", 5, ("x",), sympy.Symbol("z")])
+def test_tensor_names_that_are_not_identifiers(bad):
+    with pytest.raises(rg.SpecError, match=r"is not a valid tensor name"):
+        rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", bad: "B L D"}), name="t")(_scalar_body)
+
+
+def test_a_digit_that_is_not_a_decimal_is_no_component_size():
+    with pytest.raises(rg.SpecError, match=r"tensor 'x': '²' is not an axis name"):
+        rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", "x": "B L D ²"}))(_scalar_body)
+
+
+@pytest.mark.parametrize("option", ["group", "seg", "backend", "schedule", "threads", "split",
+                                    "initial_state", "return_state"])
+def test_inputs_named_like_call_options_are_refused(option):
+    """An input named like an option of the call could not be passed by keyword."""
+    options = ("['initial_state', 'return_state', 'backend', 'seg', 'schedule', 'group', "
+               "'threads', 'split']")
+    with pytest.raises(rg.SpecError, match=re.escape(
+            f"spec 'opt': input '{option}' is named like an option of the call; the call's "
+            f"options {options} cannot name inputs")):
+        rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", option: "B L D"}), name="opt")(
+            _scalar_body)
+
+
+def test_call_options_are_the_keywords_of_the_call():
+    """The names refused for inputs are the call's keyword options, those of its signature and
+    those the kernel backends take from its keywords."""
+    from mlx_recgen.function import Recurrence
+    from mlx_recgen.spec import CALL_OPTIONS, KERNEL_OPTIONS
+
+    keywords = [p.name for p in inspect.signature(Recurrence.__call__).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert sorted(CALL_OPTIONS) == sorted([*keywords, *KERNEL_OPTIONS])
+
+
+def test_states_and_outputs_may_be_named_like_call_options():
+    @rg.recurrence(lane="D", state={"seg": "B D"}, inputs={"a": "B L D", "x": "B L D"},
+                   outputs={"backend": "B L D"})
+    def named(seg, a, x):
+        seg = a * seg + x
+        return {"backend": seg}
+
+    a, x, h0 = mx.random.normal((2, 3, 4)), mx.random.normal((2, 3, 4)), mx.random.normal((2, 4))
+    y, h = named(a=a, x=x, initial_state={"seg": h0}, return_state=True, backend="mlx")
+    assert mx.allclose(h, a[:, 2] * (a[:, 1] * (a[:, 0] * h0 + x[:, 0]) + x[:, 1]) + x[:, 2],
+                       atol=1e-5)
+    assert mx.allclose(y[:, 2], h)
+
+
 # ---------------------------------------------------------------------------------------------
 # Plain Python on traced values: the error names the spec language's answer
 # ---------------------------------------------------------------------------------------------
@@ -427,6 +501,127 @@ def test_builtin_max_and_min_on_traced_values():
         def vmax(h, a, C, n):
             h[n] = max(a, 0.5) * h[n] + C[n]
             return {"y": Sum(C[n] * h[n], n)}
+
+
+def mx_exp(h, a, x):
+    h = a * h + mx.exp(x)
+    return {"y": h}
+
+
+def mx_tanh(h, a, x):
+    h = mx.tanh(a) * h + x
+    return {"y": h}
+
+
+def math_exp(h, a, x):
+    h = a * h + math.exp(x)
+    return {"y": h}
+
+
+def np_tanh(h, a, x):
+    h = a * h + np.tanh(x)
+    return {"y": h}
+
+
+def np_maximum(h, a, x):
+    h = np.maximum(a, 0.0) * h + x
+    return {"y": h}
+
+
+def np_where(h, a, x):
+    h = a * h + np.where(x > 0, x, 0.0)
+    return {"y": h}
+
+
+def np_fabs(h, a, x):
+    h = a * h + np.fabs(x)
+    return {"y": h}
+
+
+def squash(z):  # a helper the body calls, with a function imported by name
+    return sqrt(z)
+
+
+def math_sqrt_in_a_helper(h, a, x):
+    h = a * h + squash(x)
+    return {"y": h}
+
+
+def np_sign(h, a, x):
+    h = a * h + np.sign(x)
+    return {"y": h}
+
+
+def np_clip(h, a, x):  # a NumPy function written in Python: its own lines are not the body's
+    h = a * h + np.clip(x, 0.0, 1.0)
+    return {"y": h}
+
+
+@pytest.mark.parametrize("body, line, written, library, use", [
+    (mx_exp, "h = a * h + mx.exp(x)", "mx.exp", "MLX", "use rg.exp"),
+    (mx_tanh, "h = mx.tanh(a) * h + x", "mx.tanh", "MLX", "use rg.tanh"),
+    (math_exp, "h = a * h + math.exp(x)", "math.exp", "Python's math module", "use rg.exp"),
+    (np_tanh, "h = a * h + np.tanh(x)", "np.tanh", "NumPy", "use rg.tanh"),
+    (np_maximum, "h = np.maximum(a, 0.0) * h + x", "np.maximum", "NumPy", "use rg.maximum"),
+    (np_where, "h = a * h + np.where(x > 0, x, 0.0)", "np.where", "NumPy", "use rg.where"),
+    (np_fabs, "h = a * h + np.fabs(x)", "np.fabs", "NumPy", "use rg.abs"),
+    (math_sqrt_in_a_helper, "return sqrt(z)", "sqrt", "Python's math module", "use rg.sqrt"),
+    (np_sign, "h = a * h + np.sign(x)", "np.sign", "NumPy",
+     "the spec language's functions are rg.exp, rg.log, "),
+    (np_clip, "h = a * h + np.clip(x, 0.0, 1.0)", "np.clip", "NumPy",
+     "the spec language's functions are rg.exp, rg.log, "),
+])
+def test_mlx_numpy_and_math_functions_on_traced_values(body, line, written, library, use):
+    """Their errors on symbols (MLX: "Invalid type ... received in array initialization",
+    math: "Cannot convert expression to float", NumPy: "loop of ufunc does not support ...", or
+    a comparison's truth value) become one that names the spec language's function."""
+    with pytest.raises(rg.SpecError, match=re.escape(
+            f"spec '{body.__name__}': `{line}` calls {written}, a function of {library}, on a "
+            f"traced value: the body runs once on symbols, which {library} cannot take; {use}")):
+        rg.recurrence(**SCALAR)(body)
+
+
+def test_library_functions_inside_a_reduction():
+    with pytest.raises(rg.SpecError, match=r"calls mx\.exp, a function of MLX.*use rg\.exp$"):
+        @rg.recurrence(**VECTOR)
+        def vexp(h, a, C, n):
+            h[n] = a * h[n] + C[n]
+            return {"y": Sum(mx.exp(C[n]) * h[n], n)}
+
+
+def test_library_functions_on_constants_are_fine():
+    @rg.recurrence(**SCALAR)
+    def constants(h, a, x):
+        h = a * h + math.exp(0.5) * x + float(np.tanh(0.25))
+        return {"y": h}
+
+    a, x = mx.random.normal((1, 3, 2)), mx.random.normal((1, 3, 2))
+    y = constants(a, x, backend="mlx")
+    c, d = math.exp(0.5), math.tanh(0.25)
+    assert mx.allclose(y[:, 0], c * x[:, 0] + d, atol=1e-5)
+
+
+def test_an_input_the_body_never_reads_is_warned_about():
+    with pytest.warns(UserWarning, match=r"^spec 'unread': input 'x' is never read: no state "
+                                         r"update or output depends on it$") as caught:
+        @rg.recurrence(**decl(SCALAR, inputs={"a": "B L D", "x": "B L D", "c": "D"}))
+        def unread(h, a, x, c):
+            h = a * h + c + (x - x)  # cancels: nothing depends on x
+            return {"y": h}
+    assert [w.filename for w in caught] == [__file__]  # points at the definition
+    assert len(caught) == 1
+
+
+def test_inputs_read_through_a_component_or_a_reduction_are_not_warned_about():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        @rg.recurrence(lane="P", state={"h": "B P N"},
+                       inputs={"a": "B L P 2", "C": "B L N", "D": "B L N"},
+                       outputs={"y": "B L P"})
+        def read(h, a, C, D, n):
+            h[n] = a[1] * h[n] + C[n]
+            return {"y": Sum(D[n] * h[n], n)}
 
 
 def test_comparison_used_as_a_number():

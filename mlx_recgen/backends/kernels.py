@@ -154,8 +154,9 @@ class KernelBackend:
             body, header = self.render(kind, schedule, dtypes_text)
             names = self.buffers(kind, schedule)
             self._kernels[key] = self._factory(
-                name=kernel_name(self.rec.spec.name, kind), input_names=names.inputs,
-                output_names=names.outputs, source=body, header=header)
+                name=kernel_name(self.rec.spec.name, kind, header, body, names.inputs,
+                                 names.outputs),
+                input_names=names.inputs, output_names=names.outputs, source=body, header=header)
         return self._kernels[key]
 
     # -- shapes ----------------------------------------------------------------------------------
@@ -417,9 +418,17 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
     template = sch.template()
     if kind in ("forward", "outputs"):
         template = [*template, ("OutT", dtype)]
-    dtypes_text = ", ".join(_dtype_name(i.dtype) for i in infos[:-1])
+    # the dtypes a kernel's header names, as the passes above name them at a call (the kernel's
+    # name derives from its header): inputs, then the outputs' dtype or the cotangents'
+    in_text = ", ".join(_dtype_name(dtypes[n]) for n in spec.inputs)
+    to_outputs = f"{in_text} -> {_dtype_name(dtype)}"
+    with_cotangents = ", ".join([in_text] + [_dtype_name(dtype)] * len(spec.outputs))
+    dtypes_text = {"forward": to_outputs, "outputs": to_outputs, "summary": in_text,
+                   "carry": ", ".join(["float32"] * len(spec.states)),
+                   "adjoint_carry": "float32"}.get(kind, with_cotangents)
     body, header = impl.render(kind, sch, dtypes_text)
     build = cuda_source if backend == "cuda" else metal_source
-    _, text = build(kernel_name(spec.name, kind), names.inputs, names.outputs, body, header,
+    name = kernel_name(spec.name, kind, header, body, names.inputs, names.outputs)
+    _, text = build(name, names.inputs, names.outputs, body, header,
                     infos, out_dtypes, template)
     return text

@@ -20,6 +20,9 @@ numeric suffix, in an order fixed by the spec, so every kernel of a spec agrees.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from ..ir import Accumulate, Assign, Loop
 from ..schedule import COMPONENT, LANE_GROUPS, LANES, SEGMENTS
 
@@ -158,11 +161,17 @@ def kernel_identifiers(rec, meta) -> Identifiers:
     return ids
 
 
-def kernel_name(spec_name: str, kind: str) -> str:
-    """The name MLX compiles a kernel under (it prepends ``custom_kernel_``)."""
+def kernel_name(spec_name: str, kind: str, header: str, body: str, input_names=(),
+                output_names=()) -> str:
+    """The name MLX compiles a kernel under (it prepends ``custom_kernel_``): the spec's name
+    (ASCII), the kernel's kind and the first 12 hex digits of the sha256 of the kernel's text
+    (header, body and buffer names), so kernels of different text never share a name: MLX
+    before 0.32.2 caches compiled CUDA modules by name alone, and two specs may share a name, as
+    do the kernels of one spec for other dtypes (the header names them) or schedules."""
     text = "".join(c if c.isascii() and (c.isalnum() or c == "_") else f"u{ord(c):04x}"
                    for c in spec_name)
-    return f"recgen_{text}_{kind}"
+    source = json.dumps([header, body, list(input_names), list(output_names)])
+    return f"recgen_{text}_{kind}_{hashlib.sha256(source.encode()).hexdigest()[:12]}"
 
 
 __all__ = ["PREFIX", "COMPONENT", "Identifiers", "ascii_name", "kernel_identifiers",
