@@ -26,11 +26,13 @@ the inputs), and every MLX transformation applies.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import sympy
 
 from ..ir import Accumulate, Loop, Program, Store
-from ..layout import from_time_major
+from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..matrix import MatrixForm
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
@@ -178,40 +180,60 @@ class MatrixForm(SequentialForm):
         self.post = render_mlx(_program(ir, list(ir.outputs.values()), given=frozenset(readout_of),
                                         slots=list(ir.outputs)), "matrix_outputs")
         self.readout_symbols = readout_of
+        self._compiled_calls = {}
 
     # -- the factors of every step ---------------------------------------------------------------
+    def _batch_major(self, inputs, sizes) -> dict:
+        """Inputs by (tensor, component) in the canonical layout with the time axis after the
+        batch axes, ``(*batch, T, V or 1, K or 1)`` (parameters with a time axis of 1), fp32,
+        group axes expanded: the layout of the chunked products, so no transposition follows."""
+        spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
+        out = {}
+        for t, x in zip(spec.inputs.values(), inputs):
+            x = expand_groups(spec, t, x.astype(mx.float32), sizes)
+            for c, part in enumerate(to_canonical(spec, expanded(spec, t), x)):
+                out[(t.name, c)] = part if t.has_time else mx.expand_dims(part, nb)
+        return out
+
     def _factors(self, values: dict, sizes: dict, ones):
-        """``(*batch, T, X)`` arrays of every factor, by (what, state, readout, term)."""
+        """``(*batch, T, X)`` arrays of every factor, by (what, state, readout, term);
+        readouts' rests as ``(*batch, T, V, 1)``."""
         spec = self.rec.spec
         args = [ones] if self.factors.needs_state_ones else []
         args += [values[self.table.key[sym][1]] for sym in self.factors.args]
         results = self.factors.fn(*args)
         T, batch = sizes[spec.time], [sizes[a] for a in spec.batch_axes]
         V, K = sizes[spec.lane], sizes[spec.state_axis]
-        nb = len(batch)
         out = {}
         for (what, s, i, r), x in zip(self.layout, results):
             x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
             st = self.form.states[s] if s is not None else None
             if what in ("a", "c") or (what in ("log_decay", "decay") and st.vector_decay):
-                shape, take = (T, *batch, 1, K), (0, slice(None))  # over the state axis
+                shape, take = (*batch, T, 1, K), (0, slice(None))  # over the state axis
             elif what in ("b", "rest"):
                 lanes = V if st is None or st.has_lane else 1  # a shared state: one "lane"
-                shape, take = (T, *batch, lanes, 1), (slice(None), 0)  # over the lanes
+                shape, take = (*batch, T, lanes, 1), (slice(None), 0)  # over the lanes
             else:
-                shape, take = (T, *batch, 1, 1), (0, slice(None))  # one per step
+                shape, take = (*batch, T, 1, 1), (0, slice(None))  # one per step
             x = mx.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
-            # the rest of a readout joins it time-major; the factors go batch-major
-            out[(what, s, i, r)] = x if what == "rest" else mx.moveaxis(x[(Ellipsis, *take)], 0, nb)
+            out[(what, s, i, r)] = x if what == "rest" else x[(Ellipsis, *take)]
         return out
 
     # -- one call --------------------------------------------------------------------------------
-    def run(self, inputs, states, sizes, seg):
-        """Outputs (canonical, time-major, fp32) and final states (``(*batch, V, K)``)."""
+    def run(self, inputs, states, sizes, seg, operands=mx.float32):
+        """Outputs (canonical, ``(*batch, T, V, 1)``, fp32) and final states (``(*batch, K, V)``).
+        ``operands``: the dtype of the products' operands within a chunk (accumulation and
+        the states between chunks stay fp32)."""
         spec = self.rec.spec
         nb = len(spec.batch_axes)
         T = sizes[spec.time]
-        values = self._time_major(spec.inputs.values(), inputs, sizes)
+        values = self._batch_major(inputs, sizes)
+
+        def mm(x, y):
+            if operands == mx.float32:
+                return x @ y
+            return (x.astype(operands) @ y.astype(operands)).astype(mx.float32)
+
         f = self._factors(values, sizes, self._ones(sizes))
         chunks = MatrixChunks(T, seg, nb)
         readouts = {}
@@ -228,40 +250,40 @@ class MatrixForm(SequentialForm):
                      for r in range(len(st.terms))]
             # a sign not known symbolically: the sign of d(j+1..t) is sign(d(..t)) sign(d(..j)),
             # so it folds into the factors of t and of j
-            sign_ex = sign_end = 1.0
+            sign_ex = sign_end = None
             if not st.positive:
                 sg = chunks.cut(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0), 1.0)
                 sign = mx.cumprod(sg, axis=-2)
                 sign_ex, sign_end = sign * sg, sign[..., -1:, :]
                 terms = [(a * sign, b) for a, b in terms]
             # the chunk's end state from its own inputs, and its decay over the whole chunk
-            to_end = mx.exp(to_end) * sign_end
-            U = sum(mx.swapaxes(a * to_end, -1, -2) @ b for a, b in terms) if terms else \
+            to_end = mx.exp(to_end) if sign_end is None else mx.exp(to_end) * sign_end
+            U = sum(mm(mx.swapaxes(a * to_end, -1, -2), b) for a, b in terms) if terms else \
                 mx.zeros((*S0.shape[:nb], chunks.nc, *S0.shape[nb:]))
-            S_start, S = _carry(S0, whole[..., 0, :], sign_end if not st.positive else None, U)
+            S_start, S = _carry(S0, whole[..., 0, :], sign_end, U)
             finals.append(S)
             for i, ro in enumerate(self.form.readouts):
                 if st.symbol not in ro.coefficients:
                     continue
-                c_t = chunks.cut(f[("c", s, i, None)]) * sign_ex
-                y = (c_t * mx.exp(from_start)) @ S_start
+                c_t = chunks.cut(f[("c", s, i, None)])
+                c_t = c_t if sign_ex is None else c_t * sign_ex
+                y = mm(c_t * mx.exp(from_start), S_start)
                 for a, b in terms:
-                    y = y + self._scores(c_t, a, log_d, st.vector_decay) @ b
+                    y = y + mm(self._scores(c_t, a, log_d, st.vector_decay, mm), b)
                 readouts[i] = readouts.get(i, 0.0) + y
         env = {}
         for i, ro in enumerate(self.form.readouts):
-            y = chunks.join(readouts[i]) if i in readouts else 0.0
-            y = mx.moveaxis(y, nb, 0)[..., None] if isinstance(y, mx.array) else y
+            y = chunks.join(readouts[i])[..., None] if i in readouts else 0.0
             env[ro.target] = y + f[("rest", None, i, None)]
         outs = self._call(self.post, env, self._block(values, T, sizes))
         return outs, finals
 
     @staticmethod
-    def _scores(c, a, log_d, vector_decay):
+    def _scores(c, a, log_d, vector_decay, mm):
         """The causal weights ``W[t, j] = Σ_k c[t,k] a[j,k] d(j+1..t-1)[k]`` for ``j < t`` of
         every chunk: ``(*batch, nc, C, C)``."""
         if not vector_decay:
-            return (c @ mx.swapaxes(a, -1, -2)) * _between(log_d)[..., 0]
+            return mm(c, mx.swapaxes(a, -1, -2)) * _between(log_d)[..., 0]
         C, K = c.shape[-2:]
         sub = min(SUB, C) if C % min(SUB, C) == 0 else C
         P, lead = C // sub, c.shape[:-2]
@@ -275,8 +297,8 @@ class MatrixForm(SequentialForm):
         c = c * mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))
         a = a * mx.exp(mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False))
         across = _between(mx.sum(log_d, axis=-2))  # (.., P, P, K)
-        w = (c[..., :, None, :, :] * across[..., :, :, None, :]) @ mx.swapaxes(
-            a[..., None, :, :, :], -1, -2)  # (.., P, P, sub, sub)
+        w = mm(c[..., :, None, :, :] * across[..., :, :, None, :],
+               mx.swapaxes(a[..., None, :, :, :], -1, -2))  # (.., P, P, sub, sub)
         eye = mx.eye(P, dtype=mx.bool_)[:, :, None, None]
         w = mx.where(eye, inner[..., :, None, :, :], w)
         return mx.swapaxes(w, -3, -2).reshape(*lead, C, C)
@@ -297,35 +319,53 @@ class MatrixForm(SequentialForm):
         T, batch = sizes[spec.time], [sizes[a] for a in spec.batch_axes]
         parts = {}
         for (_, slot), y in zip(self.post.results, outs):
-            t = spec.outputs[slot.tensor]
-            shape = (T, *batch, sizes[spec.lane], 1)
             y = y if isinstance(y, mx.array) else mx.array(y, dtype=mx.float32)
-            parts[(slot.tensor, slot.component)] = mx.broadcast_to(y, shape)
-        outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
-                                   reduce_missing=False).astype(out_dtype)
+            parts[(slot.tensor, slot.component)] = mx.broadcast_to(
+                y, (*batch, T, sizes[spec.lane], 1))
+        outputs = [from_canonical(spec, t, [parts[(t.name, c)] for c in range(t.components)],
+                                  reduce_missing=False).astype(out_dtype)
                    for t in spec.outputs.values()]
         carry = {st.symbol: mx.swapaxes(S, -1, -2)[None] for st, S in
                  zip(self.form.states, finals)}
         return outputs, self._declared(carry, self.table.states)
 
     # -- the backend's interface -----------------------------------------------------------------
+    def _call_declared(self, sizes, seg, *arrays):
+        """Outputs (fp32) and final states in their declared layouts, from the inputs and the
+        initial states: the whole computation, for ``mx.compile``. Half-precision inputs
+        (all of the floating-point ones) multiply in their dtype within a chunk."""
+        n = len(self.rec.spec.inputs)
+        floats = {x.dtype for x in arrays[:n] if mx.issubdtype(x.dtype, mx.floating)}
+        operands = floats.pop() if len(floats) == 1 and floats <= {mx.bfloat16, mx.float16} \
+            else mx.float32
+        outs, finals = self.run(list(arrays[:n]), list(arrays[n:]), dict(sizes), seg, operands)
+        outputs, finals = self._results(outs, finals, mx.float32, dict(sizes))
+        return (*outputs, *finals)
+
+    def _compiled(self, sizes, seg):
+        """The computation compiled for these sizes (MLX fuses its elementwise chains)."""
+        key = (tuple(sorted(sizes.items())), seg)
+        if key not in self._compiled_calls:
+            self._compiled_calls[key] = mx.compile(functools.partial(self._call_declared, key[0],
+                                                                     seg))
+        return self._compiled_calls[key]
+
     def forward(self, inputs, states, sizes, seg, out_dtype):
-        outs, finals = self.run(inputs, states, sizes, seg)
-        outputs, finals = self._results(outs, finals, out_dtype, sizes)
-        return outputs, finals, []
+        results = self._compiled(sizes, seg)(*inputs, *states)
+        n_out = len(self.rec.spec.outputs)
+        return [y.astype(out_dtype) for y in results[:n_out]], list(results[n_out:]), []
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
                  d_residuals=None):
         spec = self.rec.spec
         diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
+        call = self._compiled(sizes, seg)
 
         def f(*arrays):
             xs = list(inputs)
             for i, x in zip(diff, arrays[:len(diff)]):
                 xs[i] = x
-            outs, finals = self.run(xs, list(arrays[len(diff):]), sizes, seg)
-            outputs, finals = self._results(outs, finals, mx.float32, sizes)
-            return (*outputs, *finals)
+            return call(*xs, *arrays[len(diff):])
 
         primals = [inputs[i] for i in diff] + list(states)
         cotangents = [d.astype(mx.float32) for d in (*d_outputs, *d_finals)]
