@@ -246,8 +246,8 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default=None, help="comma-separated indices into CASES")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--schedules", default="sequential,chunked,matrix",
-                   help="our schedules to run, where they apply")
+    p.add_argument("--schedules", default="sequential,chunked,matrix,loop",
+                   help="our schedules to run, where they apply (loop: the per-step MLX loop)")
     p.add_argument("--peers", default=None, help="comma-separated peers (default: all of a case)")
     args = p.parse_args()
     rng = np.random.default_rng(0)
@@ -277,7 +277,7 @@ def run_case(name, shape, with_loop, dtype, reps, rng, wanted=("sequential", "ch
     schedules = ["sequential"] + (["chunked"] if rec.time_parallel else []) + \
         (["matrix"] if rec.matrix.applies else [])
     schedules = [s for s in schedules if s in wanted]
-    if with_loop and dtype == "float32":
+    if with_loop and dtype == "float32" and "loop" in wanted:
         schedules.append("loop")
     base = None
     for sch in schedules:
