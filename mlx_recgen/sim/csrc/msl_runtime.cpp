@@ -320,8 +320,22 @@ const char* op_name(int op) {
     case 23: return "simd_shuffle_rotate_up";
     case 24: return "simd_shuffle_rotate_down";
     case 25: return "simd_is_first";
-    default: return "simd collective";
+    case 64: return "simdgroup_load";
+    case 65: return "simdgroup_store";
+    case 66: return "simdgroup_multiply_accumulate";
+    case 67: return "simdgroup_multiply";
+    default: break;
   }
+  // quad_* collectives: the simd op code + 32
+  static const char* const quad[] = {
+      nullptr, "quad_sum", "quad_product", "quad_max", "quad_min", "quad_and", "quad_or",
+      "quad_xor", "quad_prefix_inclusive_sum", "quad_prefix_exclusive_sum",
+      "quad_prefix_inclusive_product", "quad_prefix_exclusive_product", "quad_shuffle",
+      "quad_shuffle_xor", "quad_shuffle_up", "quad_shuffle_down", "quad_broadcast",
+      "quad_broadcast_first", nullptr, nullptr, nullptr, nullptr, nullptr,
+      "quad_shuffle_rotate_up", "quad_shuffle_rotate_down"};
+  if (op > 32 && op - 32 < (int)(sizeof quad / sizeof quad[0]) && quad[op - 32]) return quad[op - 32];
+  return "simd collective";
 }
 
 std::string where(const Thread* t) {
