@@ -19,6 +19,7 @@ from .errors import (
     KernelRuntimeError,
     MetalCompileError,
     OutOfBoundsError,
+    SameValueStoreWarning,
     SimdDivergenceError,
     SimulatorError,
     SimulatorSetupError,
@@ -58,5 +59,6 @@ __all__ = [
     "SimdDivergenceError",
     "BarrierDivergenceError",
     "DataRaceError",
+    "SameValueStoreWarning",
     "KernelCrashError",
 ]

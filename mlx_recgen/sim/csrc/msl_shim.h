@@ -736,11 +736,14 @@ namespace msl {
 template <class T>
 struct ptr;
 
+// `line`: line of the access in the kernel text (0: unknown, see at_line);
+// `value`: for plain writes, the value about to be stored.
 template <class T>
-inline void check(const Buf* b, const T* p, int64_t n_elems_from_p, uint32_t sz, int mode) {
+inline void check(const Buf* b, const T* p, int64_t n_elems_from_p, uint32_t sz, int mode,
+                  int line = 0, const void* value = nullptr) {
   if (!b) return;
   int64_t off = (int64_t)((const char*)p - b->base) + n_elems_from_p * (int64_t)sizeof(T);
-  msl_rt_access(const_cast<Buf*>(b), off, sz, mode);
+  msl_rt_access(const_cast<Buf*>(b), off, sz, mode, line, value);
 }
 
 // Proxy for one element of a writable buffer: tells reads from writes.
@@ -748,25 +751,26 @@ template <class T>
 struct Ref {
   T* p;
   Buf* b;
+  int line = 0;
   operator T() const {
-    check(b, p, 0, sizeof(T), kRead);
+    check(b, p, 0, sizeof(T), kRead, line);
     return *p;
   }
   T load() const { return (T) * this; }
   template <class U>
   Ref& operator=(U&& v) {
     T tmp = static_cast<value_of_t<U>>(v);
-    check(b, p, 0, sizeof(T), kWrite);
+    check(b, p, 0, sizeof(T), kWrite, line, &tmp);
     *p = tmp;
     return *this;
   }
   Ref& operator=(const Ref& o) {
     T tmp = (T)o;
-    check(b, p, 0, sizeof(T), kWrite);
+    check(b, p, 0, sizeof(T), kWrite, line, &tmp);
     *p = tmp;
     return *this;
   }
-  Ref(T* p_, Buf* b_) : p(p_), b(b_) {}
+  Ref(T* p_, Buf* b_, int line_ = 0) : p(p_), b(b_), line(line_) {}
   Ref(const Ref&) = default;
   ptr<T> operator&() const;
 #define MSL_REF_CA(OPA, OP)                    \
@@ -774,7 +778,7 @@ struct Ref {
   Ref& operator OPA(const U& v) {              \
     T cur = (T) * this;                        \
     T nv = static_cast<T>(cur OP v);           \
-    check(b, p, 0, sizeof(T), kWrite);         \
+    check(b, p, 0, sizeof(T), kWrite, line);   \
     *p = nv;                                   \
     return *this;                              \
   }
@@ -817,6 +821,7 @@ template <class T>
 struct ptr {
   T* p = nullptr;
   Buf* b = nullptr;
+  int line = 0;  // set by at_line for one subscript
   using ref_t = typename elem_ref<T>::type;
 
   ptr() = default;
@@ -836,10 +841,10 @@ struct ptr {
 
   ref_t at(int64_t i) const {
     if constexpr (std::is_const<T>::value) {
-      check(b, p, i, sizeof(T), kRead);
+      check(b, p, i, sizeof(T), kRead, line);
       return p[i];
     } else {
-      return Ref<T>(p + i, b);
+      return Ref<T>(p + i, b, line);
     }
   }
   template <class I, std::enable_if_t<std::is_integral<value_of_t<I>>::value ||
@@ -923,11 +928,12 @@ template <class T, size_t D0>
 struct tgview<T, D0> {
   T* p;
   Buf* b;
+  int line = 0;
   template <class I>
   Ref<T> operator[](const I& i) const {
     int64_t k = (int64_t)(value_of_t<I>)i;
-    if (k < 0 || k >= (int64_t)D0) check(b, p, k, sizeof(T), kRead);  // reports out of bounds
-    return Ref<T>(p + k, b);
+    if (k < 0 || k >= (int64_t)D0) check(b, p, k, sizeof(T), kRead, line);  // out of bounds
+    return Ref<T>(p + k, b, line);
   }
   operator ptr<T>() const { return ptr<T>(p, b); }
   operator ptr<const T>() const { return ptr<const T>(p, b); }
@@ -941,14 +947,38 @@ template <class T, size_t D0, size_t D1, size_t... D>
 struct tgview<T, D0, D1, D...> {
   T* p;
   Buf* b;
+  int line = 0;
   static constexpr size_t inner = D1 * (1 * ... * D);
   template <class I>
   tgview<T, D1, D...> operator[](const I& i) const {
     int64_t k = (int64_t)(value_of_t<I>)i;
-    if (k < 0 || k >= (int64_t)D0) check(b, p, k * (int64_t)inner, sizeof(T), kRead);
-    return tgview<T, D1, D...>{p + k * (int64_t)inner, b};
+    if (k < 0 || k >= (int64_t)D0) check(b, p, k * (int64_t)inner, sizeof(T), kRead, line);
+    return tgview<T, D1, D...>{p + k * (int64_t)inner, b, line};
   }
 };
+
+template <class T>
+struct has_line : std::false_type {};
+template <class T>
+struct has_line<ptr<T>> : std::true_type {};
+template <class T, size_t... D>
+struct has_line<tgview<T, D...>> : std::true_type {};
+
+// `name[i]` in the kernel text is compiled as `::msl::at_line(name, __LINE__)[i]`
+// (preprocess.py): checked pointers and threadgroup arrays remember the line for the
+// access; anything else (thread arrays, vectors) passes through unchanged.
+template <class X>
+inline decltype(auto) at_line(X&& x, int line) {
+  using D = std::remove_cv_t<std::remove_reference_t<X>>;
+  if constexpr (has_line<D>::value) {
+    D located = x;
+    located.line = line;
+    return located;
+  } else {
+    (void)line;
+    return static_cast<X&&>(x);
+  }
+}
 
 template <class T, size_t... D>
 struct tgsite {
