@@ -28,6 +28,7 @@ from .errors import (
     UnwrittenOutputError,
 )
 from .kernel import SimKernel, metal_kernel
+from .patch import patch_mlx
 from .compiler import cache_dir, clear_memory_cache, find_clang, find_compiler
 
 
@@ -42,6 +43,7 @@ def is_available() -> bool:
 
 __all__ = [
     "metal_kernel",
+    "patch_mlx",
     "SimKernel",
     "is_available",
     "cache_dir",
