@@ -47,6 +47,33 @@ _NP = {
 }
 
 _MAX_THREADS_PER_GROUP = 1024
+
+# Compiler flags that model Metal's math modes (``compile_options={"math_mode": ...}``):
+# "relaxed" allows reassociation, reciprocals and contraction but honours inf and NaN;
+# "fast" also assumes no inf/NaN and, like the Metal compiler, defines __FAST_MATH__.
+MATH_MODE_FLAGS = {
+    "safe": [],
+    "relaxed": ["-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math",
+                "-freciprocal-math", "-ffp-contract=fast"],
+    "fast": ["-ffast-math"],
+}
+
+
+def math_mode(compile_options: Any) -> str:
+    """The math mode ``compile_options`` asks for, checked as ``mx.fast.metal_kernel`` checks it."""
+    if compile_options is None:
+        return "safe"
+    if not isinstance(compile_options, dict):
+        raise ValueError("[metal_kernel] Expected `compile_options` to be a dict.")
+    mode = "safe"
+    for key, value in compile_options.items():
+        if key != "math_mode":
+            raise ValueError(f"[metal_kernel] Unknown compile option `{key}`.")
+        if value not in MATH_MODE_FLAGS:
+            raise ValueError(
+                "[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
+        mode = value
+    return mode
 _launch_lock = threading.Lock()
 
 
@@ -225,6 +252,7 @@ class SimKernel:
         self.ensure_row_contiguous = ensure_row_contiguous
         self.atomic_outputs = atomic_outputs
         self.compile_options = compile_options
+        self.math_mode = math_mode(compile_options)
         self.check_races = check_races
         self.check_addrspace = check_addrspace
         self.strict_races = strict_races
@@ -242,13 +270,14 @@ class SimKernel:
         msl_name = f"{kname}.metal"
         check_metal_rules(text, kname, msl_name)
         tu, as_tu = build_translation_unit(kname, text, template, params)
+        flags = MATH_MODE_FLAGS[self.math_mode]
         try:
-            lib = compiler.compile_kernel(kname, msl_name, text, tu)
+            lib = compiler.compile_kernel(kname, msl_name, text, tu, flags)
         except MetalCompileError:
             # the line marks are inserted by a textual rule; should they ever meet a
             # construct they do not fit, compile without them (reports lose the line)
             tu, as_tu = build_translation_unit(kname, text, template, params, lines=False)
-            lib = compiler.compile_kernel(kname, msl_name, text, tu)
+            lib = compiler.compile_kernel(kname, msl_name, text, tu, flags)
         if self.check_addrspace:
             if compiler.find_clang() is None:
                 compiler.warn_no_clang_once()
