@@ -197,6 +197,42 @@ def test_mlx_lm_rms_norm_sigmoid_gate_kernel():
     np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-5)
 
 
+LOSSES = "mlx_lm.tuner.losses"
+
+
+@pytest.mark.parametrize("name", ["kl_div_loss", "js_div_loss"])
+def test_mlx_lm_loss_kernels_values(name):
+    # forward and backward kernels against mlx-lm's ops path; race checking is off here
+    # because these kernels (mlx-lm 0.32) miss a barrier, see the next test
+    losses = importlib.import_module(LOSSES)
+    q, p, cot = randn(2, 64), randn(2, 64), randn(2)
+
+    def loss_vjp():
+        return mx.vjp(lambda a: getattr(losses, name)(a, p), [q], [cot])
+
+    (ref,), (gref,) = loss_vjp()
+    with sim.patch_mlx(rebuild=[LOSSES], check_races=False):
+        assert isinstance(losses._kl_forward_kernel, sim.SimKernel)
+        (out,), (grad,) = loss_vjp()
+    close(out, ref, tol=1e-5)
+    close(grad, gref, tol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["kl_div_loss", "js_div_loss"])
+def test_mlx_lm_loss_kernels_missing_barrier_is_found(name):
+    # mlx-lm 0.32's KL/JS kernels read the per-simdgroup maxima from `shared` and then
+    # overwrite the same slots with sums, with no threadgroup barrier in between
+    losses = importlib.import_module(LOSSES)
+    q, p = randn(2, 64), randn(2, 64)
+    with sim.patch_mlx(rebuild=[LOSSES]):
+        with pytest.raises(sim.DataRaceError) as e:
+            getattr(losses, name)(q, p)
+    msg = str(e.value)
+    assert "threadgroup array `shared`" in msg, msg
+    assert "`shared[simd_group_id * 2 + 0] = sum_exp_q;`" in msg, msg
+    assert "`max_q = shared[simd_lane_id * 2 + 0];`" in msg, msg
+
+
 class _no_warning:
     def __enter__(self):
         return self
