@@ -197,6 +197,30 @@ def test_mlx_lm_rms_norm_sigmoid_gate_kernel():
     np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-5)
 
 
+def test_mlx_lm_deepseek_v41_sinkhorn_kernel():
+    mod = importlib.import_module("mlx_lm.models.deepseek_v41")
+    comb, eps = mx.exp(randn(5, 4, 4)), mx.array([1e-6])
+    ref = mod._sinkhorn(comb, iters=3, eps=eps)
+    with sim.patch_mlx(rebuild=["mlx_lm.models.deepseek_v41"]):
+        assert isinstance(mod._sinkhorn_kernel, sim.SimKernel)
+        out = mod._sinkhorn(comb, iters=3, eps=eps)
+    close(out, ref, tol=1e-6)
+
+
+def test_mlx_lm_kimi_k3_attention_residual_kernel():
+    mod = importlib.import_module("mlx_lm.models.kimi_k3")
+    D = 64
+    blocks = mod.ResidualBlocks(1e-6)
+    for _ in range(2):
+        blocks.append(randn(1, 3, D))
+    partial, w_eff = randn(1, 3, D), randn(D) / 8
+    ref = mod._attn_res_mix(blocks, partial, w_eff, 1e-6, use_kernel=False)
+    with sim.patch_mlx(rebuild=["mlx_lm.models.kimi_k3"]):
+        assert isinstance(mod._attn_res_kernel, sim.SimKernel)
+        out = mod._attn_res_mix(blocks, partial, w_eff, 1e-6)
+    close(out, ref, tol=1e-5)
+
+
 LOSSES = "mlx_lm.tuner.losses"
 
 
