@@ -221,6 +221,67 @@ def test_mlx_lm_kimi_k3_attention_residual_kernel():
     close(out, ref, tol=1e-5)
 
 
+def test_mlx_lm_norm_add_norm_kernels():
+    # three kernels: post-norm + gated add (+ pre-norm of the sum), and the pre-norm alone;
+    # D = 512 gives 64-thread rows, so the block sums go through threadgroup memory
+    mod = importlib.import_module("mlx_lm.kernels.norm_add_norm")
+    import mlx.nn as nn
+
+    N, D, eps = 2, 512, 1e-6
+    branch, stream = randn(N, D), randn(N, D)
+    alpha, beta, post_w = randn(D), randn(D), randn(D)
+    norm = nn.RMSNorm(D, eps=eps)
+    norm.weight = randn(D)
+    with sim.patch_mlx(rebuild=["mlx_lm.kernels.norm_add_norm"]):
+        s1, normed = mod.norm_add_norm(branch, stream, alpha=alpha, beta=beta,
+                                       post_weight=post_w, post_eps=eps, next_norm=norm)
+        s2, none = mod.norm_add_norm(branch, stream, alpha=alpha, beta=beta, post_weight=None,
+                                     post_eps=eps, next_norm=None)
+        pre = mod.pre_norm(s1, norm, dtype=mx.float32)
+    b, st, al, be, pw, w = (np.array(a).astype(np.float64)
+                            for a in (branch, stream, alpha, beta, post_w, norm.weight))
+    want1 = al * st + be * rms(b * pw, eps=eps)
+    want2 = al * st + be * rms(b, eps=eps)
+    assert none is None
+    for got, want in ((s1, want1), (s2, want2), (normed, rms(want1, eps=eps) * w),
+                      (pre, rms(want1, eps=eps) * w)):
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_mlx_lm_expert_routing_kernel():
+    mod = importlib.import_module("mlx_lm.kernels.expert_routing")
+    T, E, K = 4, 48, 3
+    logits, bias = randn(T, E), randn(E) / 4
+    with sim.patch_mlx(rebuild=["mlx_lm.kernels.expert_routing"]):
+        inds, weights = mod.expert_routing(logits, bias, top_k=K, multiplier=1.5, score_eps=1e-9,
+                                           route_scale=2.0)
+    score = 1 / (1 + np.exp(-1.5 * np.array(logits).astype(np.float64)))
+    top = np.argsort(-(score + np.array(bias)), axis=-1, kind="stable")[:, :K]
+    w = np.take_along_axis(score, top, -1)
+    np.testing.assert_array_equal(np.array(inds), top)
+    np.testing.assert_allclose(np.array(weights), w / w.sum(-1, keepdims=True) * 2.0, rtol=1e-5)
+
+
+def test_mlx_lm_qk_norm_rope_kernel():
+    mod = importlib.import_module("mlx_lm.kernels.qk_norm_rope")
+    B, L, HQ, HK, D = 1, 3, 2, 1, 64
+    qkvg = randn(B, L, 2 * (HQ + HK) * D)
+    with sim.patch_mlx(rebuild=["mlx_lm.kernels.qk_norm_rope"]):
+        q, k = mod.qk_norm_rope(qkvg, n_heads=HQ, n_kv_heads=HK, head_dim=D, eps=1e-6,
+                                query_scale=0.5, rope_base=10000.0, offset=5)
+    x = np.array(qkvg)
+    q_n = mx.array(rms(x[..., :HQ * D].reshape(B, L, HQ, D)) * 0.5)
+    k_n = mx.array(rms(x[..., HQ * D:(HQ + HK) * D].reshape(B, L, HK, D)))
+
+    def rope(a):  # rotate along L, per head
+        a = a.transpose(0, 2, 1, 3)
+        return mx.fast.rope(a, D, traditional=True, base=10000.0, scale=1.0,
+                            offset=5).transpose(0, 2, 1, 3)
+
+    close(q, rope(q_n), tol=1e-4)
+    close(k, rope(k_n), tol=1e-4)
+
+
 LOSSES = "mlx_lm.tuner.losses"
 
 
