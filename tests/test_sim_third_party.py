@@ -282,6 +282,17 @@ def test_mlx_lm_qk_norm_rope_kernel():
     close(k, rope(k_n), tol=1e-4)
 
 
+def test_mlx_lm_post_expert_norm_combine_kernel():
+    mod = importlib.import_module("mlx_lm.kernels.post_expert_norm_combine")
+    T, K, D = 2, 3, 256
+    experts, weights, norm_w = randn(T, K, D), randn(T, K), randn(D)
+    with sim.patch_mlx(rebuild=["mlx_lm.kernels.post_expert_norm_combine"]):
+        out = mod.post_expert_norm_combine(experts, weights, norm_weight=norm_w, eps=1e-6)
+    x = np.array(experts).astype(np.float64) * np.array(norm_w)
+    want = (rms(x) * np.array(weights)[..., None]).sum(1)
+    np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-4)
+
+
 LOSSES = "mlx_lm.tuner.losses"
 
 
@@ -303,16 +314,20 @@ def test_mlx_lm_loss_kernels_values(name):
     close(grad, gref, tol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["kl_div_loss", "js_div_loss"])
-def test_mlx_lm_loss_kernels_missing_barrier_is_found(name):
+@pytest.mark.parametrize("name", ["kl", "js"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_mlx_lm_loss_kernels_missing_barrier_is_found(name, direction):
     # mlx-lm 0.32's KL/JS kernels read the per-simdgroup maxima from `shared` and then
     # overwrite the same slots with sums, with no threadgroup barrier in between
     losses = importlib.import_module(LOSSES)
-    q, p = randn(2, 64), randn(2, 64)
+    q, p, cot = randn(2, 64), randn(2, 64), randn(2)
     with sim.patch_mlx(rebuild=[LOSSES]):
+        if direction == "backward":  # let the forward kernel through unchecked
+            getattr(losses, f"_{name}_forward_kernel").check_races = False
         with pytest.raises(sim.DataRaceError) as e:
-            getattr(losses, name)(q, p)
+            mx.vjp(lambda a: getattr(losses, f"{name}_div_loss")(a, p), [q], [cot])
     msg = str(e.value)
+    assert f"custom_kernel_{name}_{direction}" in msg, msg
     assert "threadgroup array `shared`" in msg, msg
     assert "`shared[simd_group_id * 2 + 0] = sum_exp_q;`" in msg, msg
     assert "`max_q = shared[simd_lane_id * 2 + 0];`" in msg, msg
