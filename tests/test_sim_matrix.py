@@ -145,6 +145,51 @@ def test_fragments_written_by_coordinates_multiply_like_steel():
     np.testing.assert_allclose(np.array(out), an @ bn, rtol=1e-5, atol=1e-5)
 
 
+FRAGMENT_HEADER = """
+#include <metal_simdgroup_matrix>
+// fragments kept as vec<T, 2> and moved in and out of simdgroup matrices by reference,
+// the way MLX's steel MMA helpers do
+template <typename T>
+struct Frag {
+  typedef metal::simdgroup_matrix<T, 8, 8> mat_type;
+  typedef metal::vec<T, 2> frag_type;
+  static short2 coord(ushort lane) {
+    short q = lane / 4;
+    return short2((q & 2) * 2 + (lane % 2) * 2, (q & 4) + (lane / 2) % 4);
+  }
+  static void mma(thread frag_type& D, thread frag_type& A, thread frag_type& B,
+                  thread frag_type& C) {
+    mat_type Dm, Am, Bm, Cm;
+    reinterpret_cast<thread frag_type&>(Am.thread_elements()) = A;
+    reinterpret_cast<thread frag_type&>(Bm.thread_elements()) = B;
+    reinterpret_cast<thread frag_type&>(Cm.thread_elements()) = C;
+    simdgroup_multiply_accumulate(Dm, Am, Bm, Cm);
+    D = reinterpret_cast<thread frag_type&>(Dm.thread_elements());
+  }
+};
+"""
+
+
+@pytest.mark.parametrize("dt", [mx.float16, mx.bfloat16], ids=["half", "bfloat"])
+def test_steel_style_fragments(dt):
+    src = """
+        short2 c = Frag<T>::coord(thread_index_in_simdgroup);
+        typename Frag<T>::frag_type A, B, C, D;
+        for (short k = 0; k < 2; k++) {
+            A[k] = a[c.y * 8 + c.x + k];
+            B[k] = b[c.y * 8 + c.x + k];
+            C[k] = T(0);
+        }
+        Frag<T>::mma(D, A, B, C);
+        out[c.y * 8 + c.x] = D[0];
+        out[c.y * 8 + c.x + 1] = D[1];
+    """
+    (a, an), (b, bn) = (rounded(rng.standard_normal((8, 8)), dt) for _ in range(2))
+    k = sim.metal_kernel("sgm_steel", ["a", "b"], ["out"], src, header=FRAGMENT_HEADER)
+    out = run(k, [a, b], dt)
+    np.testing.assert_allclose(out, an @ bn, rtol=TOL[dt], atol=TOL[dt])
+
+
 TILED = """
     // C[16 x 16] = A[16 x K] B[K x 16]: 4 simdgroups, one 8x8 tile each, K staged
     // through threadgroup memory 8 columns at a time.
