@@ -636,9 +636,6 @@ void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode, int line, const
   const char* sync = tgm ? "threadgroup_barrier(mem_flags::mem_threadgroup)"
                          : "threadgroup_barrier(mem_flags::mem_device)";
   const bool races = g_rt.check_races;
-  // A plain store of the bytes the element already holds, over a plain store by
-  // another thread: harmless on the GPU (every order leaves the same value).
-  const bool same_value = mode == kWrite && value && memcmp(b->base + off, value, size) == 0;
   uint64_t e0 = (uint64_t)off / b->esize, e1 = ((uint64_t)off + size - 1) / b->esize;
   for (uint64_t e = e0; e <= e1; ++e) {
     Shadow& sh = b->shadow[e];
@@ -658,21 +655,27 @@ void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode, int line, const
     if (races) {
       bool w_atomic = sh.flags & 1;
       if (concurrent(sh.w, tid, G, S) && !(atomic && w_atomic)) {
-        std::string what =
-            fmt("data race on %s element %llu: this %s", buf_label(b).c_str(),
-                (unsigned long long)e, mode_name(mode)) +
-            at_line(ln) + " conflicts with a " + (w_atomic ? "atomic write" : "write") +
-            at_line(sh.w.line) + " by " + describe(sh.w.tid) + unordered_with(sh.w.tid, tid, sync);
-        if (same_value && !w_atomic) {
+        auto what = [&]() {
+          return fmt("data race on %s element %llu: this %s", buf_label(b).c_str(),
+                     (unsigned long long)e, mode_name(mode)) +
+                 at_line(ln) + " conflicts with a " + (w_atomic ? "atomic write" : "write") +
+                 at_line(sh.w.line) + " by " + describe(sh.w.tid) +
+                 unordered_with(sh.w.tid, tid, sync);
+        };
+        // A plain store of the bytes the element already holds, over a plain store by
+        // another thread: harmless on the GPU (every order leaves the same value).
+        const bool same_value = mode == kWrite && !w_atomic && value &&
+                                memcmp(b->base + off, value, size) == 0;
+        if (same_value) {
           if (g_rt.strict_races) {
-            fail_here(kErrRace, what + "; both store the same value (an error under "
-                                       "strict_races=True)");
+            fail_here(kErrRace, what() + "; both store the same value (an error under "
+                                         "strict_races=True)");
           }
           if (g_rt.same_value_stores++ == 0) {
-            g_rt.same_value_msg = kname() + ": " + describe(tid) + ": " + what;
+            g_rt.same_value_msg = kname() + ": " + describe(tid) + ": " + what();
           }
         } else {
-          fail_here(kErrRace, what);
+          fail_here(kErrRace, what());
         }
       }
       if (writes) {
