@@ -45,6 +45,15 @@ def test_identical_stores_from_a_simdgroup_are_a_warning():
     np.testing.assert_array_equal(out, want)
 
 
+def test_two_threads_storing_an_attribute_is_a_warning():
+    # both threads of the group store threads_per_threadgroup.x to one element
+    k = sim.metal_kernel("attr_store", ["a"], ["out"], "out[0] = threads_per_threadgroup.x;")
+    with pytest.warns(sim.SameValueStoreWarning, match=r"1 store\(s\)"):
+        (out,) = k(inputs=[mx.zeros((1, 1))], grid=(2, 1, 1), threadgroup=(2, 1, 1),
+                   output_shapes=[(1, 1)], output_dtypes=[mx.uint32])
+    assert out.item() == 2
+
+
 def test_identical_stores_are_an_error_under_strict_races():
     with pytest.raises(sim.DataRaceError, match="same value .*strict_races=True"):
         run("same_value_strict", MASKED, strict_races=True)
