@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from mlx_recgen import sim
+from mlx_recgen.sim import compiler
+from mlx_recgen.sim import kernel as sim_kernel
 
 pytestmark = [
     pytest.mark.sim,
@@ -190,8 +192,16 @@ def test_declarations_next_to_accesses_still_compile():
         vec<float, 2> pair[2];
         pair[0] = float2(acc[0], 1.0f);
         tmp[0] = pair[0].x > acc[1] ? acc[0] : 0.0f;
-        out[i] = tmp[0];
+        constexpr int one[2] = {1, 0};
+        static_assert(one[0] == 1, "constant subscripts stay constant");
+        out[i] = tmp[one[1]];
     """
     x = rng.standard_normal(64).astype(np.float32)
     out = run("decls", src, inputs=mx.array(x))
     np.testing.assert_array_equal(out, np.where(x > 0, x, 0))
+    # ... and compiled with the line marks, not through the fallback without them
+    k = sim.metal_kernel("decls", ["x"], ["out"], src)
+    kname, text, params, _ = k.build([mx.array(x)], [mx.float32])
+    tu, _ = sim_kernel.build_translation_unit(kname, text, None, params, lines=True)
+    assert "::msl::at_line(acc, __LINE__)[0]" in tu
+    compiler.compile_kernel(kname, kname + ".metal", text, tu)

@@ -365,18 +365,37 @@ def _starts_expression(masked: str, pos: int) -> bool:
         k, depth = j - 1, 0
         while k >= 0:
             ch = masked[k]
-            if ch in ")]":
+            if ch in ")]}":
                 depth += 1
-            elif ch in "([":
+            elif ch in "([{":
                 if depth == 0:
-                    return True  # inside a call or subscript: an argument
+                    if ch == "{" and not _opens_braced_list(masked, k):
+                        break  # a block: the statement starts after it
+                    return True  # inside a call, subscript or braced list: an element
                 depth -= 1
-            elif ch in ";{}" and depth == 0:
+            elif ch == ";" and depth == 0:
                 break
             k -= 1
         stmt = masked[k + 1:j]
         return not re.match(r"\s*(?:const\s+)?" + _TYPE + r"\s*[*&]?\s+" + _IDENT, stmt)
     return True
+
+
+def _opens_braced_list(masked: str, k: int) -> bool:
+    """Does the ``{`` at ``k`` open an initialiser list (``= {``, ``f({``, ``float2{``) rather
+    than a block?"""
+    j = k - 1
+    while j >= 0 and masked[j] in " \t\r\n":
+        j -= 1
+    if j < 0:
+        return False
+    c = masked[j]
+    if c.isalnum() or c == "_":
+        m = j
+        while m >= 0 and (masked[m].isalnum() or masked[m] == "_"):
+            m -= 1
+        return masked[m + 1:j + 1] not in {"else", "do", "try"}
+    return c in "=(,>]"
 
 
 def mark_subscript_lines(text: str) -> str:

@@ -968,7 +968,7 @@ struct has_line<tgview<T, D...>> : std::true_type {};
 // (preprocess.py): checked pointers and threadgroup arrays remember the line for the
 // access; anything else (thread arrays, vectors) passes through unchanged.
 template <class X>
-inline decltype(auto) at_line(X&& x, int line) {
+constexpr decltype(auto) at_line(X&& x, int line) {
   using D = std::remove_cv_t<std::remove_reference_t<X>>;
   if constexpr (has_line<D>::value) {
     D located = x;
