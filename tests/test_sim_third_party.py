@@ -57,6 +57,16 @@ def test_patch_restores_after_an_error_and_passes_options():
     assert mx.fast.metal_kernel is before
 
 
+def test_patch_blocks_nest():
+    before = (mx.fast.metal_kernel, mx.metal.is_available, mx.default_device)
+    with sim.patch_mlx():
+        outer = mx.fast.metal_kernel
+        with sim.patch_mlx(gpu_default=False):
+            assert mx.metal.is_available() and mx.default_device() == before[2]()
+        assert mx.fast.metal_kernel is outer and mx.default_device() == mx.gpu
+    assert (mx.fast.metal_kernel, mx.metal.is_available, mx.default_device) == before
+
+
 # -- mlx-lm ---------------------------------------------------------------------------
 mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm (optional extra) is not installed")
 
