@@ -61,9 +61,10 @@ def test_patch_blocks_nest():
     before = (mx.fast.metal_kernel, mx.metal.is_available, mx.default_device)
     with sim.patch_mlx():
         outer = mx.fast.metal_kernel
-        with sim.patch_mlx(gpu_default=False):
-            assert mx.metal.is_available() and mx.default_device() == before[2]()
-        assert mx.fast.metal_kernel is outer and mx.default_device() == mx.gpu
+        with sim.patch_mlx(strict_races=True):
+            assert mx.fast.metal_kernel is not outer and mx.metal.is_available()
+        assert mx.fast.metal_kernel is outer and mx.metal.is_available()
+        assert mx.default_device() == mx.gpu
     assert (mx.fast.metal_kernel, mx.metal.is_available, mx.default_device) == before
 
 
