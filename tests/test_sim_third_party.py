@@ -425,3 +425,19 @@ def test_docs_style_interpolation_and_atomic_vjp():
     # the vjp of a linear map: finite differences along each basis vector are exact
     want = [np.dot(interp_ref(np.eye(N)[n], pn), np.array(cot)) for n in range(N)]
     np.testing.assert_allclose(np.array(grad), want, rtol=1e-5, atol=1e-5)
+
+
+def test_docs_style_read_before_the_bounds_check_is_out_of_bounds():
+    # the same interpolation, reading x before testing the index (the order of the
+    # grid-sample example in MLX's documentation): positions outside [0, N) read past x
+    src = BILINEAR.replace(
+        "float left = (j >= 0 && j < N) ? x[j] : 0.0f;",
+        "float left = x[j];\n    if (j < 0 || j >= N) left = 0.0f;")
+    N, M = 12, 40
+    x = randn(N)
+    p = mx.array(rng.uniform(-2, N + 1, M).astype(np.float32))
+    with sim.patch_mlx():
+        fwd = mx.fast.metal_kernel("docs_interp_unchecked", ["x", "p"], ["out"], src)
+        with pytest.raises(sim.OutOfBoundsError, match=r"input `x`.*`float left = x\[j\];`"):
+            fwd(inputs=[x, p], template=[("N", N)], grid=(M, 1, 1), threadgroup=(32, 1, 1),
+                output_shapes=[(M,)], output_dtypes=[mx.float32])
