@@ -9,6 +9,7 @@ independent numpy formula where the library has none. The last tests are kernels
 kind MLX's custom-kernel documentation shows (written here, small).
 """
 
+import contextlib
 import importlib
 
 import mlx.core as mx
@@ -98,7 +99,7 @@ def test_mlx_lm_gated_delta_kernels(vectorized, masked):
         kernel = (gd._gated_delta_kernel_vec if vectorized else gd._gated_delta_kernel)
         assert isinstance(kernel, sim.SimKernel)
         # the masked kernels zero y from every lane: same-value stores, a warning
-        with pytest.warns(sim.SameValueStoreWarning) if masked else _no_warning():
+        with pytest.warns(sim.SameValueStoreWarning) if masked else contextlib.nullcontext():
             y, s = gd.gated_delta_kernel(q, k, v, g, beta, state, mask)
     y_ref, s_ref = gd.gated_delta_ops(q, k, v, g, beta, state, mask)
     if masked:
@@ -344,14 +345,6 @@ def test_mlx_lm_loss_kernels_missing_barrier_is_found(name, direction):
     assert "`max_q = shared[simd_lane_id * 2 + 0];`" in msg, msg
 
 
-class _no_warning:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 # -- kernels like those of MLX's custom-kernel documentation ---------------------------
 def test_docs_style_elementwise_and_strided_kernels():
     contiguous = """
@@ -394,8 +387,10 @@ BILINEAR_VJP = """
     int j = int(metal::floor(pos));
     float w = pos - j;
     float g = cot[i];
-    if (j >= 0 && j < N) atomic_fetch_add_explicit(&x_grad[j], (1.0f - w) * g, memory_order_relaxed);
-    if (j + 1 >= 0 && j + 1 < N) atomic_fetch_add_explicit(&x_grad[j + 1], w * g, memory_order_relaxed);
+    if (j >= 0 && j < N)
+        atomic_fetch_add_explicit(&x_grad[j], (1.0f - w) * g, memory_order_relaxed);
+    if (j + 1 >= 0 && j + 1 < N)
+        atomic_fetch_add_explicit(&x_grad[j + 1], w * g, memory_order_relaxed);
 """
 
 

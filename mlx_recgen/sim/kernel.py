@@ -74,6 +74,8 @@ def math_mode(compile_options: Any) -> str:
                 "[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
         mode = value
     return mode
+
+
 _launch_lock = threading.Lock()
 
 
