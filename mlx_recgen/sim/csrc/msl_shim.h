@@ -1477,7 +1477,7 @@ inline void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, P src, ulong elem
   const int64_t ld = (int64_t)elements_per_row;
   for (int k = 0; k < 2; ++k) {
     const int64_t at = transpose_matrix ? (ox + c + k) * ld + oy + r : (oy + r) * ld + ox + c + k;
-    T v = src[at];
+    T v = ::msl::at_line(src, line)[at];
     d.elems[k] = v;
   }
 }
@@ -1495,7 +1495,7 @@ inline void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, P dst,
   const int64_t ld = (int64_t)elements_per_row;
   for (int k = 0; k < 2; ++k) {
     const int64_t at = transpose_matrix ? (ox + c + k) * ld + oy + r : (oy + r) * ld + ox + c + k;
-    dst[at] = a.elems[k];
+    ::msl::at_line(dst, line)[at] = a.elems[k];
   }
 }
 
