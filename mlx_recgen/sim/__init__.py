@@ -7,7 +7,11 @@ compiled as C++ against a shim of MSL, and executed with Metal's execution model
 threadgroups one after another, the threads of a group as cooperative fibers
 that meet at barriers and simd collectives (simdgroups of 32).  Out-of-bounds
 accesses, unwritten outputs, uninitialised reads, divergent collectives and
-barriers, and data races raise subclasses of :class:`SimulatorError`.
+barriers, and data races raise subclasses of :class:`SimulatorError` naming the line of
+the statement; stores of an identical value from unordered threads give a
+:class:`SameValueStoreWarning`. Simdgroup matrices (8x8) and quad collectives are modelled.
+``patch_mlx()`` runs code written for ``mx.fast.metal_kernel`` (a library's kernels) on the
+simulator.
 
 See docs/simulator.md.
 """
@@ -19,6 +23,7 @@ from .errors import (
     KernelRuntimeError,
     MetalCompileError,
     OutOfBoundsError,
+    SameValueStoreWarning,
     SimdDivergenceError,
     SimulatorError,
     SimulatorSetupError,
@@ -27,6 +32,7 @@ from .errors import (
     UnwrittenOutputError,
 )
 from .kernel import SimKernel, metal_kernel
+from .patch import patch_mlx
 from .compiler import cache_dir, clear_memory_cache, find_clang, find_compiler
 
 
@@ -41,6 +47,7 @@ def is_available() -> bool:
 
 __all__ = [
     "metal_kernel",
+    "patch_mlx",
     "SimKernel",
     "is_available",
     "cache_dir",
@@ -58,5 +65,6 @@ __all__ = [
     "SimdDivergenceError",
     "BarrierDivergenceError",
     "DataRaceError",
+    "SameValueStoreWarning",
     "KernelCrashError",
 ]

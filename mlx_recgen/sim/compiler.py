@@ -30,6 +30,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 from .. import cachedirs
 from .errors import MetalCompileError, SimulatorSetupError
@@ -261,12 +262,16 @@ def _format_diagnostics(stderr: str, msl_name: str, msl_text: str, tmp_src: str)
     return text
 
 
-def compile_kernel(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> ctypes.CDLL:
-    """Compile the C++ translation unit ``tu`` (built from ``msl_text``) and load it."""
+def compile_kernel(kernel_name: str, msl_name: str, msl_text: str, tu: str,
+                   flags: Sequence[str] = ()) -> ctypes.CDLL:
+    """Compile the C++ translation unit ``tu`` (built from ``msl_text``) and load it.
+
+    ``flags``: compiler flags after ``KERNEL_FLAGS`` (the math mode's)."""
     runtime()
     cxx = find_compiler()
+    all_flags = KERNEL_FLAGS + list(flags)
     key = hashlib.sha256(
-        (tu + "\0" + sources_hash() + "\0" + " ".join(KERNEL_FLAGS) + "\0" + cxx).encode()
+        (tu + "\0" + sources_hash() + "\0" + " ".join(all_flags) + "\0" + cxx).encode()
     ).hexdigest()[:32]
     with _lock:
         lib = _libs.get(key)
@@ -275,7 +280,7 @@ def compile_kernel(kernel_name: str, msl_name: str, msl_text: str, tu: str) -> c
         path = cache_dir() / f"k-{key}.so"
 
         def build():
-            proc = _atomic_compile(KERNEL_FLAGS + [f"-I{CSRC}", f"-I{CSRC / 'include'}", "-lm"],
+            proc = _atomic_compile(all_flags + [f"-I{CSRC}", f"-I{CSRC / 'include'}", "-lm"],
                                    tu, path, ".cpp", cxx)
             if proc.returncode != 0:
                 msg = _format_diagnostics(proc.stderr, msl_name, msl_text,

@@ -60,6 +60,12 @@ class DataRaceError(KernelRuntimeError):
     (or no ordering at all: different threadgroups) between them, without atomics."""
 
 
+class SameValueStoreWarning(RuntimeWarning):
+    """Threads with no ordering between them stored the identical value to one element
+    (e.g. every lane of a simdgroup writing ``y[i] = 0``): harmless on the GPU, so a
+    warning; ``strict_races=True`` makes it a :class:`DataRaceError`."""
+
+
 class KernelCrashError(KernelRuntimeError):
     """The kernel crashed (stack overflow, access through an unchecked pointer, ...)."""
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,7 +17,13 @@ from ..backends.mlx_source import (
     metal_template_def,
 )
 from . import compiler
-from .errors import ERROR_CLASSES, KernelRuntimeError, SimulatorTransformError
+from .errors import (
+    ERROR_CLASSES,
+    KernelRuntimeError,
+    MetalCompileError,
+    SameValueStoreWarning,
+    SimulatorTransformError,
+)
 from .preprocess import check_metal_rules, to_addrspace_cpp, to_cpp
 
 try:  # mlx is a dependency of the project, but keep the module importable without it
@@ -39,6 +47,35 @@ _NP = {
 }
 
 _MAX_THREADS_PER_GROUP = 1024
+
+# Compiler flags that model Metal's math modes (``compile_options={"math_mode": ...}``):
+# "relaxed" allows reassociation, reciprocals and contraction but honours inf and NaN;
+# "fast" also assumes no inf/NaN and, like the Metal compiler, defines __FAST_MATH__.
+MATH_MODE_FLAGS = {
+    "safe": [],
+    "relaxed": ["-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math",
+                "-freciprocal-math", "-ffp-contract=fast"],
+    "fast": ["-ffast-math"],
+}
+
+
+def math_mode(compile_options: Any) -> str:
+    """The math mode ``compile_options`` asks for, checked as ``mx.fast.metal_kernel`` checks it."""
+    if compile_options is None:
+        return "safe"
+    if not isinstance(compile_options, dict):
+        raise ValueError("[metal_kernel] Expected `compile_options` to be a dict.")
+    mode = "safe"
+    for key, value in compile_options.items():
+        if key != "math_mode":
+            raise ValueError(f"[metal_kernel] Unknown compile option `{key}`.")
+        if value not in MATH_MODE_FLAGS:
+            raise ValueError(
+                "[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
+        mode = value
+    return mode
+
+
 _launch_lock = threading.Lock()
 
 
@@ -64,6 +101,10 @@ class _LaunchDesc(ctypes.Structure):
         ("tg", ctypes.c_uint32 * 3),
         ("check_unwritten", ctypes.c_int32),
         ("check_races", ctypes.c_int32),
+        ("strict_races", ctypes.c_int32),
+        ("same_value_stores", ctypes.c_uint64),
+        ("warn", ctypes.c_char_p),
+        ("warnlen", ctypes.c_int32),
     ]
 
 
@@ -140,8 +181,11 @@ def _instantiation_line(kname: str, template) -> str | None:
     return f'template [[host_name("{kname}")]] [[kernel]] decltype({tdef}) {tdef};'
 
 
-def build_translation_unit(kname: str, text: str, template, params) -> tuple[str, str]:
-    """(C++ TU for execution, C++ TU for the clang address-space pass)."""
+def build_translation_unit(kname: str, text: str, template, params,
+                           lines: bool = True) -> tuple[str, str]:
+    """(C++ TU for execution, C++ TU for the clang address-space pass).
+
+    ``lines``: element accesses carry their line (see ``preprocess.mark_subscript_lines``)."""
     inst = _instantiation_line(kname, template)
     body = text
     if inst is not None:
@@ -150,7 +194,7 @@ def build_translation_unit(kname: str, text: str, template, params) -> tuple[str
     tu = (
         '#include "msl_shim.h"\n'
         f'#line 1 "{msl_name}"\n'
-        + to_cpp(body)
+        + to_cpp(body, lines=lines)
         + '\n#line 1 "msl-sim-entry"\n'
         + _entry_source(kname, template, params)
     )
@@ -163,13 +207,43 @@ def build_translation_unit(kname: str, text: str, template, params) -> tuple[str
     return tu, as_tu
 
 
+class SourceLines:
+    """Maps lines of the generated kernel text to lines of the ``source`` (the body the
+    user passed) or of the ``header``, for error messages."""
+
+    _MARK = re.compile(r" @@L(\d+)@@")
+
+    def __init__(self, text: str, source: str, header: str, msl_name: str):
+        self.lines = text.splitlines()
+        self.msl_name = msl_name
+        self.header_lines = header.count("\n") + (0 if header.endswith("\n") or not header else 1)
+        pos = text.rfind(source) if source else -1
+        self.body_start = text.count("\n", 0, pos) + 1 if pos >= 0 else 0
+        self.body_lines = source.count("\n") + 1
+
+    def describe(self, n: int) -> str:
+        """"source line 3 (custom_kernel_x.metal:14: `out[i] = x[i];`)"."""
+        if self.body_start and self.body_start <= n < self.body_start + self.body_lines:
+            where = f"source line {n - self.body_start + 1}"
+        elif 1 <= n <= self.header_lines:
+            where = f"header line {n}"
+        else:
+            where = "line"
+        code = self.lines[n - 1].strip() if 1 <= n <= len(self.lines) else ""
+        return f"{where} ({self.msl_name}:{n}: `{code}`)"
+
+    def expand(self, message: str) -> str:
+        return self._MARK.sub(lambda m: " at " + self.describe(int(m.group(1))), message)
+
+
 class SimKernel:
     """Callable like the object ``mx.fast.metal_kernel`` returns."""
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
                  atomic_outputs: bool = False, compile_options: Any = None,
-                 check_races: bool = True, check_addrspace: bool = True):
+                 check_races: bool = True, check_addrspace: bool = True,
+                 strict_races: bool = False):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         self.name = name
@@ -180,8 +254,10 @@ class SimKernel:
         self.ensure_row_contiguous = ensure_row_contiguous
         self.atomic_outputs = atomic_outputs
         self.compile_options = compile_options
+        self.math_mode = math_mode(compile_options)
         self.check_races = check_races
         self.check_addrspace = check_addrspace
+        self.strict_races = strict_races
 
     # -- compilation ------------------------------------------------------
     def build(self, inputs, output_dtypes, template=None):
@@ -196,7 +272,14 @@ class SimKernel:
         msl_name = f"{kname}.metal"
         check_metal_rules(text, kname, msl_name)
         tu, as_tu = build_translation_unit(kname, text, template, params)
-        lib = compiler.compile_kernel(kname, msl_name, text, tu)
+        flags = MATH_MODE_FLAGS[self.math_mode]
+        try:
+            lib = compiler.compile_kernel(kname, msl_name, text, tu, flags)
+        except MetalCompileError:
+            # the line marks are inserted by a textual rule; should they ever meet a
+            # construct they do not fit, compile without them (reports lose the line)
+            tu, as_tu = build_translation_unit(kname, text, template, params, lines=False)
+            lib = compiler.compile_kernel(kname, msl_name, text, tu, flags)
         if self.check_addrspace:
             if compiler.find_clang() is None:
                 compiler.warn_no_clang_once()
@@ -294,13 +377,26 @@ class SimKernel:
         ld.tg[:] = threadgroup
         ld.check_unwritten = int(init_value is None)
         ld.check_races = int(self.check_races)
+        ld.strict_races = int(self.strict_races)
+        warn = ctypes.create_string_buffer(4096)
+        ld.warn = ctypes.cast(warn, ctypes.c_char_p)
+        ld.warnlen = len(warn)
         err = ctypes.create_string_buffer(8192)
         rt = compiler.runtime()
         with _launch_lock:
             rc = rt.msl_launch(ctypes.byref(ld), err, len(err))
+        lines = SourceLines(text, self.source, self.header, f"{kname}.metal")
         if rc != 0:
             cls = ERROR_CLASSES.get(rc, KernelRuntimeError)
-            raise cls(err.value.decode(errors="replace"), kernel=kname)
+            raw = err.value.decode(errors="replace")
+            m = SourceLines._MARK.search(raw)
+            raise cls(lines.expand(raw), kernel=kname, line=int(m.group(1)) if m else None)
+        if ld.same_value_stores:
+            warnings.warn(SameValueStoreWarning(
+                f"{ld.same_value_stores} store(s) of a value an element already held from "
+                f"another thread with no ordering between them (harmless on the GPU; "
+                f"strict_races=True makes them errors); the first: "
+                + lines.expand(warn.value.decode(errors="replace"))), stacklevel=2)
         return [_from_numpy(a, name, shape) for a, name, shape in outs]
 
 
@@ -311,6 +407,8 @@ def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[s
     """Drop-in for ``mx.fast.metal_kernel`` that executes the kernel on the CPU with
     Metal's execution model and checks (see docs/simulator.md).
 
-    Extra keyword options: ``check_races=True``, ``check_addrspace=True``."""
+    Extra keyword options: ``check_races=True``, ``check_addrspace=True``,
+    ``strict_races=False`` (report stores of an identical value from unordered threads as
+    :class:`DataRaceError` instead of a :class:`SameValueStoreWarning`)."""
     return SimKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
                      atomic_outputs, compile_options, **sim_options)

@@ -319,12 +319,114 @@ def rewrite_float_literals(text: str) -> str:
     return _apply(text, edits)
 
 
-def to_cpp(text: str) -> str:
-    """MSL text (header + MLX signature + body) -> C++ for the shim, same lines."""
+# Words after which `name[` starts an expression, not a declaration of an array `name`.
+_EXPR_WORDS = {"return", "case", "else", "do", "sizeof", "co_return", "co_yield"}
+# Words that are not variables even when `[` follows.
+_NOT_VARIABLES = {"operator", "auto", "new", "delete", "this", "template", "typename"}
+_SUBSCRIPT = re.compile(r"(?<![\w.:~>$])(" + _IDENT + r")(\s*)\[(?!\[)")
+
+
+def _starts_expression(masked: str, pos: int) -> bool:
+    """Is the identifier at ``pos`` (followed by ``[``) in an expression rather than the
+    name of an array being declared?  When unsure, say no: an unmarked access only loses
+    its line number, a marked declaration would not compile."""
+    j = pos - 1
+    while j >= 0 and masked[j] in " \t\r\n":
+        j -= 1
+    if j < 0:
+        return True
+    c = masked[j]
+    if c.isalnum() or c == "_":
+        k = j
+        while k >= 0 and (masked[k].isalnum() or masked[k] == "_"):
+            k -= 1
+        return masked[k + 1:j + 1] in _EXPR_WORDS
+    if c == ">":
+        # `vec<float, 4> a[2]` declares; `x > a[i]` compares: a `<` right after a word,
+        # in the same statement, makes it a template argument list
+        depth = 0
+        for k in range(j, -1, -1):
+            ch = masked[k]
+            if ch in ";{}":
+                return True
+            if ch == ">":
+                depth += 1
+            elif ch == "<":
+                depth -= 1
+                if depth == 0:
+                    m = k - 1
+                    while m >= 0 and masked[m] in " \t":
+                        m -= 1
+                    return not (m >= 0 and (masked[m].isalnum() or masked[m] == "_"))
+        return True
+    if c == ",":
+        # `T a[2], b[3];` declares b: a comma at the top level of a statement that
+        # starts with `type name` separates declarators
+        k, depth = j - 1, 0
+        while k >= 0:
+            ch = masked[k]
+            if ch in ")]}":
+                depth += 1
+            elif ch in "([{":
+                if depth == 0:
+                    if ch == "{" and not _opens_braced_list(masked, k):
+                        break  # a block: the statement starts after it
+                    return True  # inside a call, subscript or braced list: an element
+                depth -= 1
+            elif ch == ";" and depth == 0:
+                break
+            k -= 1
+        stmt = masked[k + 1:j]
+        return not re.match(r"\s*(?:const\s+)?" + _TYPE + r"\s*[*&]?\s+" + _IDENT, stmt)
+    return True
+
+
+def _opens_braced_list(masked: str, k: int) -> bool:
+    """Does the ``{`` at ``k`` open an initialiser list (``= {``, ``f({``, ``float2{``) rather
+    than a block?"""
+    j = k - 1
+    while j >= 0 and masked[j] in " \t\r\n":
+        j -= 1
+    if j < 0:
+        return False
+    c = masked[j]
+    if c.isalnum() or c == "_":
+        m = j
+        while m >= 0 and (masked[m].isalnum() or masked[m] == "_"):
+            m -= 1
+        return masked[m + 1:j + 1] not in {"else", "do", "try"}
+    return c in "=(,>]"
+
+
+def mark_subscript_lines(text: str) -> str:
+    """``name[`` -> ``::msl::at_line(name, __LINE__)[`` where ``name[...]`` is an element
+    access, so that bounds and race reports give the line of the access."""
+    masked = mask_code(text)
+    edits = []
+    for m in _SUBSCRIPT.finditer(masked):
+        name = m.group(1)
+        if name in _NOT_VARIABLES or name in _FORBIDDEN or name in _KEYWORDS_NOT_CALLS:
+            continue
+        ls = masked.rfind("\n", 0, m.start()) + 1
+        directive = masked[ls:m.start()].lstrip()
+        if directive.startswith("#") and not directive.startswith("#define"):
+            continue
+        if not _starts_expression(masked, m.start()):
+            continue
+        edits.append((m.start(), m.end(1), f"::msl::at_line({name}, __LINE__)"))
+    return _apply(text, edits)
+
+
+def to_cpp(text: str, lines: bool = True) -> str:
+    """MSL text (header + MLX signature + body) -> C++ for the shim, same lines.
+
+    ``lines``: mark element accesses with their line (see :func:`mark_subscript_lines`)."""
     text = blank_attributes(text)
     text = rewrite_pointer_types(text)
     text = rewrite_threadgroup_decls(text)
     text = rewrite_float_literals(text)
+    if lines:
+        text = mark_subscript_lines(text)
     return text
 
 

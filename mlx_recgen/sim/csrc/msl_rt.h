@@ -31,6 +31,7 @@ struct Acc {
   uint32_t tid;  // global thread id (group_linear << 10 | local index), kNoThread if none
   uint32_t g;
   uint32_t s;
+  uint32_t line;  // line of the access in the kernel text (0: unknown)
 };
 
 struct Shadow {
@@ -107,7 +108,10 @@ struct RtPub {
 
 extern "C" {
 extern msl::RtPub* msl_rt;
-void msl_rt_access(msl::Buf* b, int64_t byte_off, uint32_t size, int mode);
+// `line`: line of the access in the kernel text (0: unknown); `value`: for plain
+// writes, the bytes about to be stored (nullptr: unknown).
+void msl_rt_access(msl::Buf* b, int64_t byte_off, uint32_t size, int mode, int line,
+                   const void* value);
 msl::Buf* msl_rt_find_buf(const void* p);
 msl::Buf* msl_rt_tg_alloc(const char* name, uint64_t nbytes, uint32_t esize);
 void msl_rt_barrier(int simd_scope, int flags, int line, int col);

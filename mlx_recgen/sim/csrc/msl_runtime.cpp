@@ -119,6 +119,10 @@ struct LaunchDesc {
   uint32_t tg[3];
   int32_t check_unwritten;
   int32_t check_races;
+  int32_t strict_races;
+  uint64_t same_value_stores;  // out: how many same-value stores were let through
+  char* warn;                  // out: the first of them, described
+  int32_t warnlen;
 };
 }
 
@@ -152,8 +156,12 @@ struct Rt {
     uint64_t e;
     uint32_t tid;
     int mode;
+    uint32_t line;
   };
   std::vector<Pending> pending;
+  bool strict_races = false;
+  uint64_t same_value_stores = 0;  // plain stores of an identical value that would race
+  std::string same_value_msg;      // the first of them
 #if defined(__x86_64__)
   void* sched_sp = nullptr;
 #else
@@ -198,6 +206,10 @@ std::string describe(uint32_t gtid) {
              gp.x * g_rt.disp.x + l.x, gp.y * g_rt.disp.y + l.y, gp.z * g_rt.disp.z + l.z, gp.x,
              gp.y, gp.z, l.x, l.y, l.z, lid / 32, lid % 32);
 }
+
+// " @@L<line>@@": a line of the kernel text, which the Python side turns into the
+// line of the user's source and the statement there.
+std::string at_line(uint32_t line) { return line ? fmt(" @@L%u@@", line) : std::string(); }
 
 std::string kname() { return fmt("kernel `%s`", g_rt.desc ? g_rt.desc->kernel_name : "?"); }
 
@@ -320,17 +332,31 @@ const char* op_name(int op) {
     case 23: return "simd_shuffle_rotate_up";
     case 24: return "simd_shuffle_rotate_down";
     case 25: return "simd_is_first";
-    default: return "simd collective";
+    case 64: return "simdgroup_load";
+    case 65: return "simdgroup_store";
+    case 66: return "simdgroup_multiply_accumulate";
+    case 67: return "simdgroup_multiply";
+    default: break;
   }
+  // quad_* collectives: the simd op code + 32
+  static const char* const quad[] = {
+      nullptr, "quad_sum", "quad_product", "quad_max", "quad_min", "quad_and", "quad_or",
+      "quad_xor", "quad_prefix_inclusive_sum", "quad_prefix_exclusive_sum",
+      "quad_prefix_inclusive_product", "quad_prefix_exclusive_product", "quad_shuffle",
+      "quad_shuffle_xor", "quad_shuffle_up", "quad_shuffle_down", "quad_broadcast",
+      "quad_broadcast_first", nullptr, nullptr, nullptr, nullptr, nullptr,
+      "quad_shuffle_rotate_up", "quad_shuffle_rotate_down"};
+  if (op > 32 && op - 32 < (int)(sizeof quad / sizeof quad[0]) && quad[op - 32]) return quad[op - 32];
+  return "simd collective";
 }
 
 std::string where(const Thread* t) {
   switch (t->state) {
     case kDone: return "has returned";
     case kWaitBarrier:
-      return fmt("waits at %s (line %d:%d)",
-                 t->bscope ? "simdgroup_barrier" : "threadgroup_barrier", t->line, t->col);
-    case kWaitColl: return fmt("waits at %s (line %d:%d)", op_name(t->op), t->line, t->col);
+      return fmt("waits at %s", t->bscope ? "simdgroup_barrier" : "threadgroup_barrier") +
+             at_line(t->line);
+    case kWaitColl: return fmt("waits at %s", op_name(t->op)) + at_line(t->line);
     default: return "is running";
   }
 }
@@ -358,8 +384,10 @@ bool flush_pending() {
   const bool tgm = p.b->space == 1;
   set_error(kErrUninit,
             kname() + ": " + describe(p.tid) + ": " +
-                fmt("%s of %s element %llu, which no thread had written (%s)", mode_name(p.mode),
-                    buf_label(p.b).c_str(), (unsigned long long)p.e,
+                fmt("%s of %s element %llu", mode_name(p.mode), buf_label(p.b).c_str(),
+                    (unsigned long long)p.e) +
+                at_line(p.line) +
+                fmt(", which no thread had written (%s)",
                     tgm ? "threadgroup memory starts uninitialised: missing write or barrier?"
                         : "outputs start uninitialised without init_value"));
   g_rt.pending.clear();
@@ -407,9 +435,8 @@ bool run_group() {
             const char* what = first->state == kWaitColl ? op_name(first->op) : "simdgroup_barrier";
             set_error(kErrSimd,
                       kname() + ": " +
-                          fmt("%s (line %d:%d) reached by only part of simdgroup %u "
-                              "(divergent control flow): ",
-                              what, first->line, first->col, s) +
+                          what + at_line(first->line) +
+                          fmt(" reached by only part of simdgroup %u (divergent control flow): ", s) +
                           describe(first->pub.gtid) + " waits there, while " +
                           describe(t->pub.gtid) + " " + where(t));
             return false;
@@ -463,9 +490,10 @@ bool run_group() {
           t->bflags != first->bflags) {
         set_error(kErrBarrier,
                   kname() + ": " +
-                      fmt("threadgroup_barrier (line %d:%d) not reached by every thread of "
-                          "threadgroup (%u,%u,%u) (barrier in divergent control flow): ",
-                          first->line, first->col, g_rt.gpos.x, g_rt.gpos.y, g_rt.gpos.z) +
+                      "threadgroup_barrier" + at_line(first->line) +
+                      fmt(" not reached by every thread of threadgroup (%u,%u,%u) (barrier in "
+                          "divergent control flow): ",
+                          g_rt.gpos.x, g_rt.gpos.y, g_rt.gpos.z) +
                       describe(first->pub.gtid) + " waits there, while " + describe(t->pub.gtid) +
                       " " + where(t));
         return false;
@@ -583,13 +611,20 @@ static inline bool concurrent(const Acc& a, uint32_t tid, uint32_t G, uint32_t S
   return a.g == G;
 }
 
-void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode) {
+static std::string unordered_with(uint32_t other, uint32_t tid, const char* sync) {
+  return (other >> 10) != (tid >> 10)
+             ? std::string(" of another threadgroup (threadgroups are unordered)")
+             : std::string(" with no ") + sync + " between them";
+}
+
+void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode, int line, const void* value) {
   if (!b) return;
+  const uint32_t ln = line > 0 ? (uint32_t)line : 0;
   if (off < 0 || (uint64_t)off + size > b->nbytes) {
     int64_t e = off >= 0 ? off / (int64_t)b->esize : -((-off + b->esize - 1) / (int64_t)b->esize);
     fail_here(kErrOOB, fmt("out-of-bounds %s of %s at element %lld (it has %llu elements)",
                            mode_name(mode), buf_label(b).c_str(), (long long)e,
-                           (unsigned long long)(b->nbytes / b->esize)));
+                           (unsigned long long)(b->nbytes / b->esize)) + at_line(ln));
   }
   if (!b->shadow || !g_rt.cur) return;
   Thread* t = g_rt.cur;
@@ -612,39 +647,54 @@ void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode) {
         fail_here(kErrUninit, fmt("%s of %s element %llu, which no thread has written (%s)",
                                   mode_name(mode), buf_label(b).c_str(), (unsigned long long)e,
                                   tgm ? "threadgroup memory starts uninitialised"
-                                      : "outputs start uninitialised without init_value"));
+                                      : "outputs start uninitialised without init_value") +
+                                  at_line(ln));
       }
-      if (g_rt.pending.size() < 4096) g_rt.pending.push_back(Rt::Pending{b, e, tid, mode});
+      if (g_rt.pending.size() < 4096) g_rt.pending.push_back(Rt::Pending{b, e, tid, mode, ln});
     }
     if (races) {
       bool w_atomic = sh.flags & 1;
       if (concurrent(sh.w, tid, G, S) && !(atomic && w_atomic)) {
-        fail_here(kErrRace,
-                  fmt("data race on %s element %llu: this %s conflicts with a %s by ",
-                      buf_label(b).c_str(), (unsigned long long)e, mode_name(mode),
-                      w_atomic ? "atomic write" : "write") +
-                      describe(sh.w.tid) +
-                      ((sh.w.tid >> 10) != (tid >> 10)
-                           ? std::string(" of another threadgroup (threadgroups are unordered)")
-                           : std::string(" with no ") + sync + " between them"));
+        auto what = [&]() {
+          return fmt("data race on %s element %llu: this %s", buf_label(b).c_str(),
+                     (unsigned long long)e, mode_name(mode)) +
+                 at_line(ln) + " conflicts with a " + (w_atomic ? "atomic write" : "write") +
+                 at_line(sh.w.line) + " by " + describe(sh.w.tid) +
+                 unordered_with(sh.w.tid, tid, sync);
+        };
+        // A plain store of the bytes the element already holds, over a plain store by
+        // another thread: harmless on the GPU (every order leaves the same value).
+        const bool same_value = mode == kWrite && !w_atomic && value &&
+                                memcmp(b->base + off, value, size) == 0;
+        if (same_value) {
+          if (g_rt.strict_races) {
+            fail_here(kErrRace, what() + "; both store the same value (an error under "
+                                         "strict_races=True)");
+          }
+          if (g_rt.same_value_stores++ == 0) {
+            g_rt.same_value_msg = kname() + ": " + describe(tid) + ": " + what();
+          }
+        } else {
+          fail_here(kErrRace, what());
+        }
       }
       if (writes) {
         const Acc* rs[2] = {&sh.r1, &sh.r2};
         for (const Acc* r : rs) {
           if (concurrent(*r, tid, G, S)) {
             fail_here(kErrRace,
-                      fmt("data race on %s element %llu: this %s conflicts with a read by ",
-                          buf_label(b).c_str(), (unsigned long long)e, mode_name(mode)) +
-                          describe(r->tid) +
-                          ((r->tid >> 10) != (tid >> 10)
-                               ? std::string(" of another threadgroup (threadgroups are unordered)")
-                               : std::string(" with no ") + sync + " between them"));
+                      fmt("data race on %s element %llu: this %s", buf_label(b).c_str(),
+                          (unsigned long long)e, mode_name(mode)) +
+                          at_line(ln) + " conflicts with a read" + at_line(r->line) + " by " +
+                          describe(r->tid) + unordered_with(r->tid, tid, sync));
           }
         }
       }
     }
     if (writes) {
-      sh.w = Acc{tid, G, S};
+      // after a same-value store the latest writer is recorded, so that a different value
+      // stored later by the earlier writer still races with it
+      sh.w = Acc{tid, G, S, ln};
       sh.flags = atomic ? 1 : 0;
       if (!atomic) {
         // reads before this write by this thread are ordered; keep foreign ones
@@ -652,7 +702,7 @@ void msl_rt_access(Buf* b, int64_t off, uint32_t size, int mode) {
         if (sh.r2.tid == tid) sh.r2.tid = kNoThread;
       }
     } else if (!atomic) {
-      Acc me{tid, G, S};
+      Acc me{tid, G, S, ln};
       if (sh.r1.tid == tid) sh.r1 = me;
       else if (sh.r2.tid == tid) sh.r2 = me;
       else if (!concurrent(sh.r1, tid, G, S)) sh.r1 = me;
@@ -697,6 +747,9 @@ int msl_launch(const LaunchDesc* d, char* err, int errlen) {
   g_rt.msg.clear();
   g_rt.pending.clear();
   g_rt.check_races = d->check_races != 0;
+  g_rt.strict_races = d->strict_races != 0;
+  g_rt.same_value_stores = 0;
+  g_rt.same_value_msg.clear();
   for (int i = 0; i < d->nbufs; ++i) {
     auto* lb = new LaunchBuf();
     const BufDesc& bd = d->bufs[i];
@@ -833,6 +886,9 @@ int msl_launch(const LaunchDesc* d, char* err, int errlen) {
   }
   int rc = g_rt.err;
   if (rc != kOk) snprintf(err, errlen, "%s", g_rt.msg.c_str());
+  LaunchDesc* out = const_cast<LaunchDesc*>(d);
+  out->same_value_stores = g_rt.same_value_stores;
+  if (d->warn && d->warnlen > 0) snprintf(d->warn, d->warnlen, "%s", g_rt.same_value_msg.c_str());
   cleanup_launch();
   return rc;
 }

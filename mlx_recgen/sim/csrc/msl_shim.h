@@ -736,11 +736,14 @@ namespace msl {
 template <class T>
 struct ptr;
 
+// `line`: line of the access in the kernel text (0: unknown, see at_line);
+// `value`: for plain writes, the value about to be stored.
 template <class T>
-inline void check(const Buf* b, const T* p, int64_t n_elems_from_p, uint32_t sz, int mode) {
+inline void check(const Buf* b, const T* p, int64_t n_elems_from_p, uint32_t sz, int mode,
+                  int line = 0, const void* value = nullptr) {
   if (!b) return;
   int64_t off = (int64_t)((const char*)p - b->base) + n_elems_from_p * (int64_t)sizeof(T);
-  msl_rt_access(const_cast<Buf*>(b), off, sz, mode);
+  msl_rt_access(const_cast<Buf*>(b), off, sz, mode, line, value);
 }
 
 // Proxy for one element of a writable buffer: tells reads from writes.
@@ -748,25 +751,26 @@ template <class T>
 struct Ref {
   T* p;
   Buf* b;
+  int line = 0;
   operator T() const {
-    check(b, p, 0, sizeof(T), kRead);
+    check(b, p, 0, sizeof(T), kRead, line);
     return *p;
   }
   T load() const { return (T) * this; }
   template <class U>
   Ref& operator=(U&& v) {
     T tmp = static_cast<value_of_t<U>>(v);
-    check(b, p, 0, sizeof(T), kWrite);
+    check(b, p, 0, sizeof(T), kWrite, line, &tmp);
     *p = tmp;
     return *this;
   }
   Ref& operator=(const Ref& o) {
     T tmp = (T)o;
-    check(b, p, 0, sizeof(T), kWrite);
+    check(b, p, 0, sizeof(T), kWrite, line, &tmp);
     *p = tmp;
     return *this;
   }
-  Ref(T* p_, Buf* b_) : p(p_), b(b_) {}
+  Ref(T* p_, Buf* b_, int line_ = 0) : p(p_), b(b_), line(line_) {}
   Ref(const Ref&) = default;
   ptr<T> operator&() const;
 #define MSL_REF_CA(OPA, OP)                    \
@@ -774,7 +778,7 @@ struct Ref {
   Ref& operator OPA(const U& v) {              \
     T cur = (T) * this;                        \
     T nv = static_cast<T>(cur OP v);           \
-    check(b, p, 0, sizeof(T), kWrite);         \
+    check(b, p, 0, sizeof(T), kWrite, line);   \
     *p = nv;                                   \
     return *this;                              \
   }
@@ -817,6 +821,7 @@ template <class T>
 struct ptr {
   T* p = nullptr;
   Buf* b = nullptr;
+  int line = 0;  // set by at_line for one subscript
   using ref_t = typename elem_ref<T>::type;
 
   ptr() = default;
@@ -836,10 +841,10 @@ struct ptr {
 
   ref_t at(int64_t i) const {
     if constexpr (std::is_const<T>::value) {
-      check(b, p, i, sizeof(T), kRead);
+      check(b, p, i, sizeof(T), kRead, line);
       return p[i];
     } else {
-      return Ref<T>(p + i, b);
+      return Ref<T>(p + i, b, line);
     }
   }
   template <class I, std::enable_if_t<std::is_integral<value_of_t<I>>::value ||
@@ -923,11 +928,12 @@ template <class T, size_t D0>
 struct tgview<T, D0> {
   T* p;
   Buf* b;
+  int line = 0;
   template <class I>
   Ref<T> operator[](const I& i) const {
     int64_t k = (int64_t)(value_of_t<I>)i;
-    if (k < 0 || k >= (int64_t)D0) check(b, p, k, sizeof(T), kRead);  // reports out of bounds
-    return Ref<T>(p + k, b);
+    if (k < 0 || k >= (int64_t)D0) check(b, p, k, sizeof(T), kRead, line);  // out of bounds
+    return Ref<T>(p + k, b, line);
   }
   operator ptr<T>() const { return ptr<T>(p, b); }
   operator ptr<const T>() const { return ptr<const T>(p, b); }
@@ -941,14 +947,38 @@ template <class T, size_t D0, size_t D1, size_t... D>
 struct tgview<T, D0, D1, D...> {
   T* p;
   Buf* b;
+  int line = 0;
   static constexpr size_t inner = D1 * (1 * ... * D);
   template <class I>
   tgview<T, D1, D...> operator[](const I& i) const {
     int64_t k = (int64_t)(value_of_t<I>)i;
-    if (k < 0 || k >= (int64_t)D0) check(b, p, k * (int64_t)inner, sizeof(T), kRead);
-    return tgview<T, D1, D...>{p + k * (int64_t)inner, b};
+    if (k < 0 || k >= (int64_t)D0) check(b, p, k * (int64_t)inner, sizeof(T), kRead, line);
+    return tgview<T, D1, D...>{p + k * (int64_t)inner, b, line};
   }
 };
+
+template <class T>
+struct has_line : std::false_type {};
+template <class T>
+struct has_line<ptr<T>> : std::true_type {};
+template <class T, size_t... D>
+struct has_line<tgview<T, D...>> : std::true_type {};
+
+// `name[i]` in the kernel text is compiled as `::msl::at_line(name, __LINE__)[i]`
+// (preprocess.py): checked pointers and threadgroup arrays remember the line for the
+// access; anything else (thread arrays, vectors) passes through unchanged.
+template <class X>
+constexpr decltype(auto) at_line(X&& x, int line) {
+  using D = std::remove_cv_t<std::remove_reference_t<X>>;
+  if constexpr (has_line<D>::value) {
+    D located = x;
+    located.line = line;
+    return located;
+  } else {
+    (void)line;
+    return static_cast<X&&>(x);
+  }
+}
 
 template <class T, size_t... D>
 struct tgsite {
@@ -1084,21 +1114,20 @@ inline T vmin(const T& a, const T& b) { return min(a, b); }
 inline bool vmax(bool a, bool b) { return a || b; }
 inline bool vmin(bool a, bool b) { return a && b; }
 
+// Results of a collective over `w` lanes (32 for a simdgroup, 4 for a quad).
 template <class T>
-void resolve(int op, ::msl::CollSlot* s, const uint8_t* act) {
+void resolve_lanes(int op, ::msl::CollSlot* s, const uint8_t* act, int w) {
   auto in = [&](int l) -> const T& { return *(const T*)s[l].in; };
   auto out = [&](int l) -> T& { return *(T*)s[l].out; };
-  int first = -1, n = 0;
-  for (int l = 0; l < 32; ++l)
-    if (act[l]) {
-      if (first < 0) first = l;
-      n = l + 1;
-    }
-  auto src = [&](int l) -> T { return (l >= 0 && l < 32 && act[l]) ? in(l) : poison<T>(); };
+  int first = -1;
+  for (int l = 0; l < w; ++l)
+    if (act[l] && first < 0) first = l;
+  if (first < 0) return;
+  auto src = [&](int l) -> T { return (l >= 0 && l < w && act[l]) ? in(l) : poison<T>(); };
   switch (op) {
     case kSum: case kProd: case kMax: case kMin: case kAnd: case kOr: case kXor: {
       T acc = in(first);
-      for (int l = first + 1; l < 32; ++l) {
+      for (int l = first + 1; l < w; ++l) {
         if (!act[l]) continue;
         if constexpr (std::is_same<T, bool>::value) {
           if (op == kMax || op == kOr || op == kSum) acc = acc || in(l);
@@ -1116,7 +1145,7 @@ void resolve(int op, ::msl::CollSlot* s, const uint8_t* act) {
           }
         }
       }
-      for (int l = 0; l < 32; ++l)
+      for (int l = 0; l < w; ++l)
         if (act[l]) out(l) = acc;
       break;
     }
@@ -1125,7 +1154,7 @@ void resolve(int op, ::msl::CollSlot* s, const uint8_t* act) {
         bool sum = op == kPreIncSum || op == kPreExcSum;
         bool inc = op == kPreIncSum || op == kPreIncProd;
         T acc = sum ? T(0) : T(1);
-        for (int l = 0; l < 32; ++l) {
+        for (int l = 0; l < w; ++l) {
           if (!act[l]) continue;
           T v = in(l);
           if (inc) acc = sum ? T(acc + v) : T(acc * v);
@@ -1136,51 +1165,63 @@ void resolve(int op, ::msl::CollSlot* s, const uint8_t* act) {
       break;
     }
     case kShuffle: case kBroadcast:
-      for (int l = 0; l < 32; ++l)
+      for (int l = 0; l < w; ++l)
         if (act[l]) out(l) = src((int)s[l].arg);
       break;
     case kShuffleXor:
-      for (int l = 0; l < 32; ++l)
+      for (int l = 0; l < w; ++l)
         if (act[l]) out(l) = src(l ^ (int)s[l].arg);
       break;
     case kShuffleUp:
-      for (int l = 0; l < 32; ++l)
+      for (int l = 0; l < w; ++l)
         if (act[l]) out(l) = (l - (int)s[l].arg < 0) ? in(l) : src(l - (int)s[l].arg);
       break;
     case kShuffleDown:
-      for (int l = 0; l < 32; ++l)
-        if (act[l]) out(l) = (l + (int)s[l].arg >= 32) ? in(l) : src(l + (int)s[l].arg);
+      for (int l = 0; l < w; ++l)
+        if (act[l]) out(l) = (l + (int)s[l].arg >= w) ? in(l) : src(l + (int)s[l].arg);
       break;
     case kRotUp:
-      for (int l = 0; l < 32; ++l)
-        if (act[l]) out(l) = src(((l - (int)s[l].arg) % 32 + 32) % 32);
+      for (int l = 0; l < w; ++l)
+        if (act[l]) out(l) = src(((l - (int)s[l].arg) % w + w) % w);
       break;
     case kRotDown:
-      for (int l = 0; l < 32; ++l)
-        if (act[l]) out(l) = src((l + (int)s[l].arg) % 32);
+      for (int l = 0; l < w; ++l)
+        if (act[l]) out(l) = src((l + (int)s[l].arg) % w);
       break;
     case kFillUp:
-      for (int l = 0; l < 32; ++l) {
+      for (int l = 0; l < w; ++l) {
         if (!act[l]) continue;
         int k = l - (int)s[l].arg;
-        out(l) = k >= 0 ? src(k) : (act[k + 32] ? *(const T*)s[k + 32].in2 : poison<T>());
+        out(l) = k >= 0 ? src(k) : (act[k + w] ? *(const T*)s[k + w].in2 : poison<T>());
       }
       break;
     case kFillDown:
-      for (int l = 0; l < 32; ++l) {
+      for (int l = 0; l < w; ++l) {
         if (!act[l]) continue;
         int k = l + (int)s[l].arg;
-        out(l) = k < 32 ? src(k) : (act[k - 32] ? *(const T*)s[k - 32].in2 : poison<T>());
+        out(l) = k < w ? src(k) : (act[k - w] ? *(const T*)s[k - w].in2 : poison<T>());
       }
       break;
     case kBroadcastFirst:
-      for (int l = 0; l < 32; ++l)
+      for (int l = 0; l < w; ++l)
         if (act[l]) out(l) = in(first);
       break;
     default:
       break;
   }
-  (void)n;
+}
+
+template <class T>
+void resolve(int op, ::msl::CollSlot* s, const uint8_t* act) {
+  resolve_lanes<T>(op, s, act, 32);
+}
+
+// quad_* collectives: op codes are the simd ones + kQuad; each quad of 4 lanes
+// combines on its own (the whole simdgroup meets, see docs/simulator.md).
+enum { kQuad = 32 };
+template <class T>
+void resolve_quad(int op, ::msl::CollSlot* s, const uint8_t* act) {
+  for (int q = 0; q < 8; ++q) resolve_lanes<T>(op - kQuad, s + 4 * q, act + 4 * q, 4);
 }
 
 inline void resolve_vote(int op, ::msl::CollSlot* s, const uint8_t* act) {
@@ -1207,7 +1248,7 @@ template <class T>
 inline T coll(int op, const T& x, int64_t arg, int line, int col, const T* x2 = nullptr) {
   T r;
   ::msl::CollSlot slot{&x, x2, &r, arg};
-  msl_rt_collective(op, line, col, slot, &resolve<T>);
+  msl_rt_collective(op, line, col, slot, op >= kQuad ? &resolve_quad<T> : &resolve<T>);
   return r;
 }
 }  // namespace sim_detail
@@ -1231,6 +1272,18 @@ MSL_COLL1(simd_prefix_exclusive_sum, kPreExcSum)
 MSL_COLL1(simd_prefix_inclusive_product, kPreIncProd)
 MSL_COLL1(simd_prefix_exclusive_product, kPreExcProd)
 MSL_COLL1(simd_broadcast_first, kBroadcastFirst)
+MSL_COLL1(quad_sum, kQuad + sim_detail::kSum)
+MSL_COLL1(quad_product, kQuad + sim_detail::kProd)
+MSL_COLL1(quad_max, kQuad + sim_detail::kMax)
+MSL_COLL1(quad_min, kQuad + sim_detail::kMin)
+MSL_COLL1(quad_and, kQuad + sim_detail::kAnd)
+MSL_COLL1(quad_or, kQuad + sim_detail::kOr)
+MSL_COLL1(quad_xor, kQuad + sim_detail::kXor)
+MSL_COLL1(quad_prefix_inclusive_sum, kQuad + sim_detail::kPreIncSum)
+MSL_COLL1(quad_prefix_exclusive_sum, kQuad + sim_detail::kPreExcSum)
+MSL_COLL1(quad_prefix_inclusive_product, kQuad + sim_detail::kPreIncProd)
+MSL_COLL1(quad_prefix_exclusive_product, kQuad + sim_detail::kPreExcProd)
+MSL_COLL1(quad_broadcast_first, kQuad + sim_detail::kBroadcastFirst)
 #undef MSL_COLL1
 
 #define MSL_COLL2(NAME, OP)                                                          \
@@ -1247,6 +1300,13 @@ MSL_COLL2(simd_shuffle_down, kShuffleDown)
 MSL_COLL2(simd_shuffle_rotate_up, kRotUp)
 MSL_COLL2(simd_shuffle_rotate_down, kRotDown)
 MSL_COLL2(simd_broadcast, kBroadcast)
+MSL_COLL2(quad_shuffle, kQuad + sim_detail::kShuffle)
+MSL_COLL2(quad_shuffle_xor, kQuad + sim_detail::kShuffleXor)
+MSL_COLL2(quad_shuffle_up, kQuad + sim_detail::kShuffleUp)
+MSL_COLL2(quad_shuffle_down, kQuad + sim_detail::kShuffleDown)
+MSL_COLL2(quad_shuffle_rotate_up, kQuad + sim_detail::kRotUp)
+MSL_COLL2(quad_shuffle_rotate_down, kQuad + sim_detail::kRotDown)
+MSL_COLL2(quad_broadcast, kQuad + sim_detail::kBroadcast)
 #undef MSL_COLL2
 
 template <class T, class I>
@@ -1295,6 +1355,177 @@ inline bool simd_is_first(int line = __builtin_LINE(), int col = MSL_COLUMN()) {
   ::msl::CollSlot slot{&b, nullptr, &r, 0};
   msl_rt_collective(sim_detail::kIsFirst, line, col, slot, &sim_detail::resolve_vote);
   return r;
+}
+
+// ---------------------------------------------------------------------------
+// simdgroup matrices (8x8): every lane holds two elements of the matrix, at the
+// coordinates `sg_coord` gives (the layout MLX's steel GEMM relies on); loads,
+// stores and products are collectives of the whole (full) simdgroup.
+// ---------------------------------------------------------------------------
+namespace sim_detail {
+enum { kMatLoad = 64, kMatStore, kMatMulAcc, kMatMul };
+
+// Row and first column of the two elements lane `lane` holds; the second
+// element is at (row, col + 1).
+inline void sg_coord(uint32_t lane, int& row, int& col) {
+  const uint32_t q = lane / 4;
+  row = (int)((q & 4) + (lane / 2) % 4);
+  col = (int)((q & 2) * 2 + (lane % 2) * 2);
+}
+inline uint32_t my_lane() { return ::msl_rt->cur ? ::msl_rt->cur->attrs.thread_index_in_simdgroup : 0; }
+
+// Simdgroup matrix operations need all 32 lanes: a partial simdgroup (threadgroup
+// size not a multiple of 32) cannot run them.
+inline void require_full_simdgroup(const char* what) {
+  if (!::msl_rt->cur) return;
+  const ::msl::Attrs& a = ::msl_rt->cur->attrs;
+  const uint32_t n = a.threads_per_threadgroup.x * a.threads_per_threadgroup.y *
+                     a.threads_per_threadgroup.z;
+  const uint32_t lanes = n - 32 * a.simdgroup_index_in_threadgroup;
+  if (lanes < 32) {
+    char m[200];
+    __builtin_snprintf(m, sizeof m,
+                       "%s in a simdgroup of %u threads: simdgroup matrices need all 32 lanes "
+                       "(make the threadgroup size a multiple of 32)", what, lanes);
+    msl_rt_fail(4, m);
+  }
+}
+
+// A meeting point of the whole simdgroup that computes nothing.
+inline void meet(int op, int line, int col) {
+  int x = 0;
+  (void)coll(op, x, 0, line, col);
+}
+
+template <class TA, class TB, class TC>
+struct MatOperands {
+  const vec<TA, 2>* a;
+  const vec<TB, 2>* b;
+  const vec<TC, 2>* c;  // nullptr: simdgroup_multiply
+};
+
+// d = a * b (+ c) over the 32 lanes' fragments; products summed in float in k order,
+// rounded to the element type of d once.
+template <class TD, class TA, class TB, class TC>
+void resolve_mma(int op, ::msl::CollSlot* s, const uint8_t* act) {
+  float A[8][8], B[8][8], C[8][8];
+  for (int l = 0; l < 32; ++l) {
+    if (!act[l]) return;  // unreachable: require_full_simdgroup ran first
+    const auto* o = (const MatOperands<TA, TB, TC>*)s[l].in;
+    int r, c;
+    sg_coord((uint32_t)l, r, c);
+    for (int k = 0; k < 2; ++k) {
+      A[r][c + k] = (float)(*o->a)[k];
+      B[r][c + k] = (float)(*o->b)[k];
+      C[r][c + k] = o->c ? (float)(*o->c)[k] : 0.0f;
+    }
+  }
+  (void)op;
+  for (int l = 0; l < 32; ++l) {
+    int r, c;
+    sg_coord((uint32_t)l, r, c);
+    auto* d = (vec<TD, 2>*)s[l].out;
+    for (int k = 0; k < 2; ++k) {
+      float acc = 0.0f;
+      for (int j = 0; j < 8; ++j) acc += A[r][j] * B[j][c + k];
+      (*d)[k] = TD(acc + C[r][c + k]);
+    }
+  }
+}
+}  // namespace sim_detail
+
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "the simulator models 8x8 simdgroup matrices only");
+  vec<T, 2> elems;  // this lane's two elements, see sim_detail::sg_coord
+
+  simdgroup_matrix() = default;
+  // Diagonal matrix: `d` on the diagonal, zero elsewhere (as in MSL).
+  template <class U, std::enable_if_t<is_scalar_num_v<::msl::value_of_t<U>>, int> = 0>
+  explicit simdgroup_matrix(U d) {
+    int r, c;
+    sim_detail::sg_coord(sim_detail::my_lane(), r, c);
+    for (int k = 0; k < 2; ++k) elems[k] = r == c + k ? T((::msl::value_of_t<U>)d) : T(0);
+  }
+  vec<T, 2>& thread_elements() { return elems; }
+  const vec<T, 2>& thread_elements() const { return elems; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <class T, int Cols, int Rows, class U>
+inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(U value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.elems = vec<T, 2>(T((::msl::value_of_t<U>)value));
+  return m;
+}
+
+// Element (row, col) of the matrix lives in memory at
+//   src[(origin.y + row) * elements_per_row + origin.x + col]   (transpose = false)
+//   src[(origin.x + col) * elements_per_row + origin.y + row]   (transpose = true);
+// each lane reads (writes) the two elements it holds.
+template <class T, int Cols, int Rows, class P, class O = ulong2>
+inline void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, P src, ulong elements_per_row = Cols,
+                           O matrix_origin = O(0), bool transpose_matrix = false,
+                           int line = __builtin_LINE(), int col = MSL_COLUMN()) {
+  sim_detail::require_full_simdgroup("simdgroup_load");
+  sim_detail::meet(sim_detail::kMatLoad, line, col);
+  int r, c;
+  sim_detail::sg_coord(sim_detail::my_lane(), r, c);
+  const int64_t ox = (int64_t)matrix_origin.x, oy = (int64_t)matrix_origin.y;
+  const int64_t ld = (int64_t)elements_per_row;
+  for (int k = 0; k < 2; ++k) {
+    const int64_t at = transpose_matrix ? (ox + c + k) * ld + oy + r : (oy + r) * ld + ox + c + k;
+    T v = ::msl::at_line(src, line)[at];
+    d.elems[k] = v;
+  }
+}
+
+template <class T, int Cols, int Rows, class P, class O = ulong2>
+inline void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, P dst,
+                            ulong elements_per_row = Cols, O matrix_origin = O(0),
+                            bool transpose_matrix = false, int line = __builtin_LINE(),
+                            int col = MSL_COLUMN()) {
+  sim_detail::require_full_simdgroup("simdgroup_store");
+  sim_detail::meet(sim_detail::kMatStore, line, col);
+  int r, c;
+  sim_detail::sg_coord(sim_detail::my_lane(), r, c);
+  const int64_t ox = (int64_t)matrix_origin.x, oy = (int64_t)matrix_origin.y;
+  const int64_t ld = (int64_t)elements_per_row;
+  for (int k = 0; k < 2; ++k) {
+    const int64_t at = transpose_matrix ? (ox + c + k) * ld + oy + r : (oy + r) * ld + ox + c + k;
+    ::msl::at_line(dst, line)[at] = a.elems[k];
+  }
+}
+
+template <class TD, class TA, class TB, class TC, int Cols, int Rows, int K>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows>& d,
+                                          const simdgroup_matrix<TA, K, Rows>& a,
+                                          const simdgroup_matrix<TB, Cols, K>& b,
+                                          const simdgroup_matrix<TC, Cols, Rows>& c,
+                                          int line = __builtin_LINE(), int col = MSL_COLUMN()) {
+  sim_detail::require_full_simdgroup("simdgroup_multiply_accumulate");
+  sim_detail::MatOperands<TA, TB, TC> o{&a.elems, &b.elems, &c.elems};
+  vec<TD, 2> r;
+  ::msl::CollSlot slot{&o, nullptr, &r, 0};
+  msl_rt_collective(sim_detail::kMatMulAcc, line, col, slot,
+                    &sim_detail::resolve_mma<TD, TA, TB, TC>);
+  d.elems = r;
+}
+
+template <class TD, class TA, class TB, int Cols, int Rows, int K>
+inline void simdgroup_multiply(simdgroup_matrix<TD, Cols, Rows>& d,
+                               const simdgroup_matrix<TA, K, Rows>& a,
+                               const simdgroup_matrix<TB, Cols, K>& b,
+                               int line = __builtin_LINE(), int col = MSL_COLUMN()) {
+  sim_detail::require_full_simdgroup("simdgroup_multiply");
+  sim_detail::MatOperands<TA, TB, TD> o{&a.elems, &b.elems, nullptr};
+  vec<TD, 2> r;
+  ::msl::CollSlot slot{&o, nullptr, &r, 0};
+  msl_rt_collective(sim_detail::kMatMul, line, col, slot,
+                    &sim_detail::resolve_mma<TD, TA, TB, TD>);
+  d.elems = r;
 }
 
 }  // namespace metal
