@@ -68,7 +68,7 @@ def main():
 
         want = theirs()
         t_theirs = timed(theirs)
-        for schedule in ("sequential", "chunked"):
+        for schedule in ("sequential", "chunked", "matrix"):
             try:
                 def ours(schedule=schedule):
                     return rec(x, dt, A, B, C, D, backend="mlx", schedule=schedule)

@@ -128,17 +128,21 @@ def test_non_affine_specs_refuse_chunked_with_the_reason():
 
 
 def test_auto_picks_chunked_on_mlx_where_expected(monkeypatch):
-    ssd = rg.load_spec("ssd")
-    sizes = dict(B=1, L=1024, H=4, P=32, N=16)
+    rglru, ssd = rg.load_spec("rglru"), rg.load_spec("ssd")
+    sizes = dict(B=1, L=1024, D=32)
     on_gpu = mx.default_device().type == mx.gpu
-    assert (choose(ssd, sizes, "auto", None, "mlx")[0] == "chunked") == on_gpu
+    assert (choose(rglru, sizes, "auto", None, "mlx")[0] == "chunked") == on_gpu
     monkeypatch.setattr(schedule, "mlx_time_parallel_pays", lambda: True)
-    sizes = dict(B=1, L=1024, H=4, P=32, N=16)
-    kind, seg = choose(ssd, sizes, "auto", None, "mlx")
+    kind, seg = choose(rglru, sizes, "auto", None, "mlx")
     assert kind == "chunked" and 2 * seg <= 1024
-    assert choose(ssd, dict(sizes, L=seg), "auto", None, "mlx")[0] == "sequential"
+    assert choose(rglru, dict(sizes, L=seg), "auto", None, "mlx")[0] == "sequential"
     assert choose(tanh_rnn, dict(B=2, L=1024, D=3), "auto", None, "mlx")[0] == "sequential"
-    assert choose(ssd, sizes, "chunked", 16, "mlx") == ("chunked", 16)
+    ssd_sizes = dict(B=1, L=1024, H=4, P=32, N=16)
+    assert choose(ssd, ssd_sizes, "chunked", 16, "mlx") == ("chunked", 16)
+    # the matrix form where it applies and a whole chunk fits; never on the kernel backends
+    assert choose(ssd, ssd_sizes, "auto", None, "mlx") == ("matrix", schedule.MATRIX_CHUNK)
+    assert choose(ssd, dict(ssd_sizes, L=40), "auto", None, "mlx")[0] == "sequential"
+    assert choose(ssd, ssd_sizes, "auto", None, "metal-sim")[0] != "matrix"
 
 
 # -- transforms ----------------------------------------------------------------------------------
