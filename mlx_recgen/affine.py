@@ -17,6 +17,22 @@ element for GLA, SSD, RG-LRU; a 2x2 rotation for the rotational LRU). The analys
 * a state with the state axis and one without may not feed each other's updates.
 
 Outputs may be any function of the states: they are recomputed per segment.
+
+Non-finite values. The sequential steps never form a product of multipliers, the chunked
+schedule does, and IEEE's ``inf * 0 = NaN`` would turn exact results into NaN: a product that
+overflows meets a zero state, one that underflows meets an infinite state, an infinite gate
+meets the zero state a summary starts from. A composed map keeps the state's part apart from
+the inputs' part, so the chunked forms compose with three operations (``scale``, ``compose``
+here; the carry's ``apply`` in the backends), each IEEE's product but for one rule:
+
+* a zero state is no term: ``scale(m, 0)`` is 0 (NaN if ``m`` is NaN), ``apply(P, 0)`` is 0
+  whatever ``P`` (a NaN gate inside ``P`` also reached the inputs' part through ``scale``);
+* ``compose`` keeps a product of nonzero multipliers that underflows at the smallest normal
+  float with its sign, so that an infinite state it scales stays infinite.
+
+What remains different from the sequential steps: an infinite multiplier applied to a state that
+is exactly zero is NaN there and no term here; a product that overflows applied to a tiny state
+is infinite here where the sequential steps may stay finite.
 """
 
 from __future__ import annotations
@@ -143,6 +159,39 @@ def analyse(ir: StepIR) -> AffineForm:
 # ---------------------------------------------------------------------------------------------
 
 
+class scale(sympy.Function):
+    """``m * h``, a step's multiplier applied to a state, where a zero state is no term: 0 even
+    for an infinite ``m`` (NaN for a NaN ``m``). Rendered ``recgen_scale``; never
+    differentiated (the summary is a forward program)."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, m, h):
+        if h.is_zero or m.is_zero:
+            return sympy.S.Zero
+        if m == 1:
+            return h
+
+
+class compose(sympy.Function):
+    """``m * p``, a step's multiplier times a product of multipliers: zero terms as in
+    ``scale``, and a product of nonzero factors that underflows is the smallest normal float
+    with its sign. Rendered ``recgen_compose``."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, m, p):
+        if m.is_zero or p.is_zero:
+            return sympy.S.Zero
+        if m == 1:
+            return p
+        if p == 1:
+            return m
+
+
+
 @dataclass(frozen=True)
 class ProductEntry:
     """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it."""
@@ -179,23 +228,52 @@ def product_entries(ir: StepIR, form: AffineForm) -> list:
     return out
 
 
-def summary_program(ir: StepIR, form: AffineForm, products: list) -> Program:
-    """One step of a segment summary: the state update (run from a zero state it yields the
-    segment's local end state) and ``P <- M P`` (from the identity, the composed multiplier).
-    Stores are all of kind ``state``: product entries are stored to their own slots."""
+def _summary_updates(ir: StepIR, form: AffineForm, products: list) -> dict:
+    """The summary step's stores: ``h_i <- Σ_j scale(M_ij, h_j) + F_i(0)`` (the update split
+    into the state's part and the inputs' part, ``F_i(0)`` with the state symbolically zero)
+    and ``P_ij <- Σ_k compose(M_ik, P_kj)``."""
+    spec = ir.spec
     entry = {(p.block, p.row, p.col): p for p in products}
-    new_state = {s: ir.new_state[s] for s in ir.spec.state_slots()}
+    new_state = {}
     for b, block in enumerate(form.blocks):
+        syms = [spec.symbols[s] for s in block.slots]
+        zero = {h: sympy.S.Zero for h in syms}
+        for i, s in enumerate(block.slots):
+            offset = ir.new_state[s].xreplace(zero)
+            new_state[s] = sympy.Add(offset, *[scale(block.multiplier[i][j], syms[j])
+                                               for j in range(block.size)])
         for i in range(block.size):
             for j in range(block.size):
                 new_state[entry[(b, i, j)].slot] = sympy.Add(*[
-                    block.multiplier[i][k] * entry[(b, k, j)].symbol for k in range(block.size)])
+                    compose(block.multiplier[i][k], entry[(b, k, j)].symbol)
+                    for k in range(block.size)])
+    return new_state
+
+
+def _summary_ir(ir: StepIR, products: list, new_state: dict) -> _SummaryIR:
     reads = set().union(*(e.free_symbols for e in new_state.values()))
     keep = _with_dependencies(ir.reductions, reads)
     vector = set(ir.vector) | {p.symbol for p in products if p.pointwise}
     summary = _SummaryIR(ir.spec, keep, new_state, {}, frozenset(vector), ir.namer)
     summary.product_vector = frozenset(p.slot for p in products if p.pointwise)
-    return schedule_forward(summary)
+    return summary
+
+
+def summary_program(ir: StepIR, form: AffineForm, products: list) -> Program:
+    """One step of a segment summary: the state update (run from a zero state it yields the
+    segment's local end state) and ``P <- M P`` (from the identity, the composed multiplier).
+    Stores are all of kind ``state``: product entries are stored to their own slots."""
+    return schedule_forward(_summary_ir(ir, products, _summary_updates(ir, form, products)))
+
+
+def step_maps_program(ir: StepIR, form: AffineForm, products: list) -> Program:
+    """Every step's own map: the summary step from a zero state and the identity product,
+    symbolically, so its stores are the offset ``F(0)`` (under the state's slots) and the
+    multiplier ``M`` (under the product entries' slots), read from the inputs only."""
+    start = {ir.spec.symbols[s]: sympy.S.Zero for s in ir.spec.state_slots()}
+    start.update({p.symbol: sympy.S.One if p.row == p.col else sympy.S.Zero for p in products})
+    maps = {s: e.xreplace(start) for s, e in _summary_updates(ir, form, products).items()}
+    return schedule_forward(_summary_ir(ir, products, maps))
 
 
 def _with_dependencies(reductions, reads) -> list:
@@ -218,12 +296,15 @@ class SegmentSummary:
 
     products: tuple
     program: Program
+    maps: Program  # every step's multiplier and offset (``step_maps_program``)
 
 
 def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
     products = tuple(product_entries(ir, form))
-    return SegmentSummary(products, summary_program(ir, form, list(products)))
+    return SegmentSummary(products, summary_program(ir, form, list(products)),
+                          step_maps_program(ir, form, list(products)))
 
 
-__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse",
-           "product_entries", "segment_summary", "summary_program"]
+__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse", "compose",
+           "product_entries", "scale", "segment_summary", "step_maps_program",
+           "summary_program"]

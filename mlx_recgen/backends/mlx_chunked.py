@@ -6,12 +6,13 @@ segment of ``seg`` steps:
 
 * the per-step multipliers ``M_t`` (one ``K x K`` block per group of mixed slots, entries
   scalar per lane or per state element) and offsets ``b_t = F(0)`` come from one call of the
-  segment summary program (``affine.summary_program``) on time-stacked inputs, with the state
-  at zero and the running product at the identity: its stores are then ``b_t`` and ``M_t``;
+  step maps program (``affine.step_maps_program``) on time-stacked inputs;
 * the segment's checkpoint enters the first offset (``b_0 <- M_0 h_0 + b_0``) and an inclusive
   Hillis-Steele scan composes the affine maps over time in ``ceil(log2 seg)`` rounds of MLX ops,
   ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)`` (elementwise for scalar blocks, explicit sums of
-  products for ``K x K`` blocks), giving the state after every step;
+  products for ``K x K`` blocks), giving the state after every step. Its products are
+  ``affine``'s (``_scale``, ``_compose``, ``_apply``: a zero state is no term), so that overflow,
+  underflow and infinite gates give what the sequential steps give;
 * the outputs are the forward program's ``post`` phase (``phases.split``), evaluated for the
   whole segment from the stacked states that entered each step.
 
@@ -38,6 +39,57 @@ def _shift(x, d: int, fill: float):
     return mx.concatenate([pad, x[:-d]], axis=0)
 
 
+# The chunked schedule's products (``affine.py``; the kernels' ``recgen_scale``,
+# ``recgen_compose``, ``recgen_apply``): IEEE's, but a zero state is no term. Their derivatives
+# are the product's (``d/dh = m`` at ``h == 0`` too), so they carry their own VJP and JVP.
+_SMALLEST_NORMAL = 1.17549435e-38
+
+
+def _sum_to(g, shape):
+    """``g`` summed over the axes that broadcasting added to an array of ``shape``."""
+    g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
+    axes = tuple(i for i, (n, m) in enumerate(zip(shape, g.shape)) if n == 1 and m != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+def _product(value):
+    """``value(x, y)``, differentiated as ``x * y``."""
+    f = mx.custom_function(value)
+
+    @f.vjp
+    def _(primals, cotangent, output):
+        x, y = primals
+        return _sum_to(cotangent * y, x.shape), _sum_to(cotangent * x, y.shape)
+
+    @f.jvp
+    def _(primals, tangents):
+        (x, y), (dx, dy) = primals, tangents
+        return dx * y + x * dy
+
+    return f
+
+
+@_product
+def _scale(m, h):
+    """A step's multiplier applied to a state: 0 for a zero state (NaN for a NaN ``m``)."""
+    return mx.where((h == 0) & (m == m), 0.0, m * h)
+
+
+@_product
+def _compose(m, p):
+    """``m`` times a product of multipliers: as ``_scale``, and a product of nonzero factors
+    that underflows is the smallest normal float with its sign."""
+    r = mx.where((p == 0) & (m == m), 0.0, m * p)
+    tiny = mx.where((m < 0) != (p < 0), -_SMALLEST_NORMAL, _SMALLEST_NORMAL)
+    return mx.where((r == 0) & (m != 0) & (p != 0), tiny, r)
+
+
+@_product
+def _apply(p, h):
+    """A composed multiplier applied to a state: 0 for a zero state whatever ``p``."""
+    return mx.where(h == 0, 0.0, p * h)
+
+
 def _timed(x, T: int, rank: int):
     """``x`` with a leading time axis of ``T`` steps and ``rank`` axes in all (other axes are
     left to broadcasting)."""
@@ -58,11 +110,10 @@ def affine_scan(A: list, b: list) -> list:
         last = 2 * d >= T
         Ab = [[_shift(A[k][j], d, 1.0 if k == j else 0.0) for j in range(K)] for k in range(K)]
         bb = [_shift(x, d, 0.0) for x in b]
-        b = [sum((A[i][k] * bb[k] for k in range(K)), start=b[i]) if K > 1 else A[i][0] * bb[0] + b[i]
-             for i in range(K)]
+        b = [sum((_apply(A[i][k], bb[k]) for k in range(K)), start=b[i]) for i in range(K)]
         if not last:
-            A = [[A[i][0] * Ab[0][j] if K == 1 else
-                  sum(A[i][k] * Ab[k][j] for k in range(1, K)) + A[i][0] * Ab[0][j]
+            A = [[sum((_compose(A[i][k], Ab[k][j]) for k in range(1, K)),
+                      start=_compose(A[i][0], Ab[0][j]))
                   for j in range(K)] for i in range(K)]
         d *= 2
     return b
@@ -77,7 +128,7 @@ class ChunkedForm(SequentialForm):
         super().__init__(rec, table)
         self.form = rec.affine
         self.products = rec.segment_summary.products
-        self.summary = render_mlx(rec.segment_summary.program, "summary")
+        self.summary = render_mlx(rec.segment_summary.maps, "step_maps")
         self.product_syms = {p.symbol: p for p in self.products}
         self.slot_index = {}  # the summary's stores, by (tensor, component) or (block, row, col)
         for i, (_, slot) in enumerate(self.summary.results):
@@ -106,9 +157,10 @@ class ChunkedForm(SequentialForm):
             A = [[_timed(res[self.slot_index[self._product(bi, i, j).slot]], T, len(shapes[i]))
                   for j in range(K)] for i in range(K)]
             b = [_fit(res[self.slot_index[s]], sh) for s, sh in zip(blk.slots, shapes)]
-            h0 = [carry[s] for s in syms]
-            first = [sum((A[i][k][:1] * h0[k] for k in range(K)), start=b[i][:1]) for i in range(K)]
-            b = [_concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
+            # the state entering each step: the checkpoint, then zero (the offsets' structure)
+            h = [_concat([carry[s], mx.zeros_like(x[1:])]) if T > 1 else carry[s]
+                 for s, x in zip(syms, b)]
+            b = [sum((_scale(A[i][k], h[k]) for k in range(K)), start=b[i]) for i in range(K)]
             for s, h in zip(syms, affine_scan(A, b)):
                 after[s] = h
         entered = {s: _concat([carry[s], after[s][:-1]]) if T > 1 else carry[s]

@@ -111,8 +111,8 @@ class ChunkedRenderer(KernelRenderer):
                     lines.append(f"const float p_{p.row}{p.col} = {self.product_buffer(b)}"
                                  f"[{self._product_offset(p, block.size)}];")
             for i in range(block.size):
-                terms = [f"p_{j}{i} * old_{j}" if reverse else f"p_{i}{j} * old_{j}"
-                         for j in range(block.size)]
+                terms = [f"recgen_apply(p_{j}{i}, old_{j})" if reverse else
+                         f"recgen_apply(p_{i}{j}, old_{j})" for j in range(block.size)]
                 t, c = tensors[i], block.slots[i].component
                 local = f"{nm[('local', t.name)]}[{self.ckpt_offset(t, c, shares=reverse)}]"
                 lines.append(f"{regs[i]} = {' + '.join(terms)} + {local};")

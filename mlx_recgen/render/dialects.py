@@ -38,7 +38,8 @@ _COMMON_MATH = {
     "exp": "exp", "log": "log", "tanh": "tanh", "sin": "sin", "cos": "cos", "tan": "tan",
     "cosh": "cosh", "sinh": "sinh", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
     "abs": "abs", "sign": "sign", "log1p": "recgen_log1p", "sigmoid": "recgen_sigmoid",
-    "softplus": "recgen_softplus", "max": "max",
+    "softplus": "recgen_softplus", "max": "max", "scale": "recgen_scale",
+    "compose": "recgen_compose",
 }
 
 METAL = Dialect(
@@ -91,7 +92,8 @@ CUDA = Dialect(
     max_threads=256,
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
-          "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus"},
+          "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus",
+          "scale": "recgen_scale", "compose": "recgen_compose"},
     prelude="""\
 // Every lane of the warp takes part (full mask): padded lanes contribute zeros.
 __device__ inline float recgen_shuffle_xor(float x, int mask) {
