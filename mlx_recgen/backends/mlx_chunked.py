@@ -26,6 +26,8 @@ gradients of inputs without the time axis are summed over segments.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..layout import canonical_shape
@@ -99,11 +101,9 @@ def _timed(x, T: int, rank: int):
     return x if x.shape[0] == T else mx.broadcast_to(x, (T, *x.shape[1:]))
 
 
-def affine_scan(A: list, b: list) -> list:
-    """The inclusive scan of the affine maps ``h <- A_t h + b_t`` over the leading (time) axis:
-    ``A`` is a ``K x K`` list of arrays, ``b`` a list of ``K`` arrays; returns, for every ``t``,
-    the offsets of the composed map ``(A_t, b_t) o ... o (A_0, b_0)``. Hillis-Steele: round
-    ``d`` composes every map with the one ``d`` steps before it."""
+def _hillis_steele(A: list, b: list) -> list:
+    """The offsets of the inclusive scan of ``h <- A_t h + b_t``: round ``d`` composes every map
+    with the one ``d`` steps before it."""
     K, T = len(b), b[0].shape[0]
     d = 1
     while d < T:
@@ -117,6 +117,52 @@ def affine_scan(A: list, b: list) -> list:
                   for j in range(K)] for i in range(K)]
         d *= 2
     return b
+
+
+def _newest_first(x):
+    return x[::-1]
+
+
+def _next(x, fill: float):
+    """``x`` advanced by one step along the time axis, the last step ``fill``."""
+    pad = mx.full((1, *x.shape[1:]), fill, dtype=x.dtype)
+    return mx.concatenate([x[1:], pad], axis=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_function(K: int):
+    """``affine_scan`` over flat arguments (``A`` row-major, then ``b``), with the VJP of the
+    recurrence rather than of the scan's rounds: ``λ_t = ḡ_t + A_{t+1}ᵀ λ_{t+1}`` by the same
+    scan, newest step first, then ``db_t = λ_t`` and ``dA_t = λ_t h_{t-1}ᵀ`` — one product
+    per step, as the sequential steps form it (the rounds' products of infinite and zero
+    cotangents would be NaN)."""
+    def split(arrays):
+        return [list(arrays[i * K:(i + 1) * K]) for i in range(K)], list(arrays[K * K:])
+
+    f = mx.custom_function(lambda *arrays: tuple(_hillis_steele(*split(arrays))))
+
+    @f.vjp
+    def _(primals, cotangents, outputs):
+        A, b = split(primals)
+        T = b[0].shape[0]
+        At = [[_newest_first(_next(A[j][i], 1.0 if i == j else 0.0)) for j in range(K)]
+              for i in range(K)]
+        lam = [_newest_first(x) for x in _hillis_steele(At, [_newest_first(g) for g in cotangents])]
+        before = [_shift(h, 1, 0.0) if T > 1 else mx.zeros_like(h) for h in outputs]
+        first = (mx.arange(T) == 0).reshape((T,) + (1,) * (lam[0].ndim - 1))
+        dA = [_sum_to(mx.where(first, 0.0, lam[i] * before[j]), A[i][j].shape)
+              for i in range(K) for j in range(K)]
+        return (*dA, *(_sum_to(g, x.shape) for g, x in zip(lam, b)))
+
+    return f
+
+
+def affine_scan(A: list, b: list) -> list:
+    """The inclusive scan of the affine maps ``h <- A_t h + b_t`` over the leading (time) axis:
+    ``A`` is a ``K x K`` list of arrays, ``b`` a list of ``K`` arrays; returns, for every ``t``,
+    the offsets of the composed map ``(A_t, b_t) o ... o (A_0, b_0)`` (Hillis-Steele)."""
+    K = len(b)
+    return list(_scan_function(K)(*(x for row in A for x in row), *b))
 
 
 class ChunkedForm(SequentialForm):
