@@ -288,6 +288,31 @@ def _with_dependencies(reductions, reads) -> list:
     return [r for r in reductions if r.target in need]
 
 
+def outputs_of_updated_state(ir: StepIR):
+    """The outputs as functions of the updated state, where every read of the old state is
+    inside the update's own expression (``y = a h + x`` with ``h <- a h + x`` reads ``h'``):
+    a program whose state symbols stand for the states after the step, or ``None``.
+
+    The chunked forms know the states after every step; outputs computed from them take one
+    cotangent per updated state, as the sequential steps' do (recomputed from the states
+    before the step, an input's gradient is split between two products, ``ȳ h + λ h``, which
+    is NaN for an infinite ``h`` and ``λ = 0``)."""
+    spec = ir.spec
+    old = {spec.symbols[s] for s in spec.state_slots()}
+    fresh = {e: sympy.Dummy(f"{spec.symbols[s]}_new") for s, e in ir.new_state.items()}
+    outputs = {s: e.xreplace(fresh) for s, e in ir.outputs.items()}
+    reads = set().union(*(e.free_symbols for e in outputs.values()))
+    reductions = [type(r)(r.target, r.body.xreplace(fresh), r.level)
+                  for r in _with_dependencies(ir.reductions, reads)]
+    exprs = list(outputs.values()) + [r.body for r in reductions]
+    if any(e.free_symbols & old for e in exprs):
+        return None
+    back = {d: spec.symbols[s] for s, d in ((s, fresh[e]) for s, e in ir.new_state.items())}
+    outputs = {s: e.xreplace(back) for s, e in outputs.items()}
+    reductions = [type(r)(r.target, r.body.xreplace(back), r.level) for r in reductions]
+    return schedule_forward(StepIR(spec, reductions, {}, outputs, ir.vector, ir.namer))
+
+
 @dataclass(frozen=True)
 class SegmentSummary:
     """The segment summary of a state-affine recurrence: its product entries and the step that
@@ -306,5 +331,5 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
 
 
 __all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse", "compose",
-           "product_entries", "scale", "segment_summary", "step_maps_program",
+           "outputs_of_updated_state", "product_entries", "scale", "segment_summary", "step_maps_program",
            "summary_program"]

@@ -13,8 +13,10 @@ segment of ``seg`` steps:
   products for ``K x K`` blocks), giving the state after every step. Its products are
   ``affine``'s (``_scale``, ``_compose``, ``_apply``: a zero state is no term), so that overflow,
   underflow and infinite gates give what the sequential steps give;
-* the outputs are the forward program's ``post`` phase (``phases.split``), evaluated for the
-  whole segment from the stacked states that entered each step.
+* the outputs are evaluated for the whole segment from the stacked states after each step
+  where they read the old state only through its update (``affine.outputs_of_updated_state``:
+  one cotangent per updated state, as in the sequential steps), else by the forward program's
+  ``post`` phase (``phases.split``) from the stacked states that entered each step.
 
 Checkpoints are the states at segment starts, laid out as the sequential form's. The backward
 walks the segments newest first: it recomputes a segment from its checkpoint with the same
@@ -30,6 +32,7 @@ import functools
 
 import mlx.core as mx
 
+from ..affine import outputs_of_updated_state
 from ..layout import canonical_shape
 from ..render.mlx_ops import render_mlx
 from .mlx_ops import SequentialForm, _Block, _after, _concat, _fit, _write
@@ -176,6 +179,11 @@ class ChunkedForm(SequentialForm):
         self.products = rec.segment_summary.products
         self.summary = render_mlx(rec.segment_summary.maps, "step_maps")
         self.product_syms = {p.symbol: p for p in self.products}
+        after = outputs_of_updated_state(rec.ir)
+        self.outputs_after = after and render_mlx(after, "outputs_after")
+        if self.outputs_after:  # its results in the post phase's order
+            order = [slot for _, slot in self.outputs_after.results]
+            self.after_order = [order.index(slot) for _, slot in self.forward_chain.post.results]
         self.slot_index = {}  # the summary's stores, by (tensor, component) or (block, row, col)
         for i, (_, slot) in enumerate(self.summary.results):
             self.slot_index[slot] = i
@@ -203,15 +211,19 @@ class ChunkedForm(SequentialForm):
             A = [[_timed(res[self.slot_index[self._product(bi, i, j).slot]], T, len(shapes[i]))
                   for j in range(K)] for i in range(K)]
             b = [_fit(res[self.slot_index[s]], sh) for s, sh in zip(blk.slots, shapes)]
-            # the state entering each step: the checkpoint, then zero (the offsets' structure)
-            h = [_concat([carry[s], mx.zeros_like(x[1:])]) if T > 1 else carry[s]
-                 for s, x in zip(syms, b)]
-            b = [sum((_scale(A[i][k], h[k]) for k in range(K)), start=b[i]) for i in range(K)]
+            h0 = [carry[s] for s in syms]
+            first = [sum((_scale(A[i][k][:1], h0[k]) for k in range(K)), start=b[i][:1])
+                     for i in range(K)]
+            b = [_concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
             for s, h in zip(syms, affine_scan(A, b)):
                 after[s] = h
-        entered = {s: _concat([carry[s], after[s][:-1]]) if T > 1 else carry[s]
-                   for s in table.states}
-        outs = self._call(self.forward_chain.post, entered, block)
+        if self.outputs_after:
+            outs = self._call(self.outputs_after, after, block)
+            outs = [outs[i] for i in self.after_order]
+        else:
+            entered = {s: _concat([carry[s], after[s][:-1]]) if T > 1 else carry[s]
+                       for s in table.states}
+            outs = self._call(self.forward_chain.post, entered, block)
         blocks = [_fit(y, (T, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
                                                 with_time=False)))
                   for (_, slot), y in zip(self.forward_chain.post.results, outs)]
@@ -260,7 +272,9 @@ class ChunkedForm(SequentialForm):
                 vals = dict(block.values)
                 vals.update(zip(keys, arrays[n_state:]))
                 outs, end = self._segment(carry, _Block(vals, block.steps, ones), sizes)
-                return (*outs, *(end[x] for x in table.states))
+                # an output may be the end state itself (``y = h'`` over one step): a VJP takes
+                # one cotangent per distinct array, so the end states are made distinct
+                return (*outs, *(end[x] * 1.0 for x in table.states))
 
             primals = [checkpoints[x][s:s + 1] for x in table.states] + [block.values[k] for k in keys]
             cot = [_fit(d_values[k][lo:hi], (hi - lo, *canonical_shape(
