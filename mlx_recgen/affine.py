@@ -331,5 +331,5 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
 
 
 __all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse", "compose",
-           "outputs_of_updated_state", "product_entries", "scale", "segment_summary", "step_maps_program",
-           "summary_program"]
+           "outputs_of_updated_state", "product_entries", "scale", "segment_summary",
+           "step_maps_program", "summary_program"]

@@ -11,8 +11,9 @@ segment of ``seg`` steps:
   Hillis-Steele scan composes the affine maps over time in ``ceil(log2 seg)`` rounds of MLX ops,
   ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)`` (elementwise for scalar blocks, explicit sums of
   products for ``K x K`` blocks), giving the state after every step. Its products are
-  ``affine``'s (``_scale``, ``_compose``, ``_apply``: a zero state is no term), so that overflow,
-  underflow and infinite gates give what the sequential steps give;
+  ``affine``'s (``_compose``, ``_apply``: a zero state is no term), so that overflow, underflow
+  and infinite gates give what the sequential steps give, and its VJP is the recurrence's
+  (``_scan_function``);
 * the outputs are evaluated for the whole segment from the stacked states after each step
   where they read the old state only through its update (``affine.outputs_of_updated_state``:
   one cotangent per updated state, as in the sequential steps), else by the forward program's
@@ -44,9 +45,10 @@ def _shift(x, d: int, fill: float):
     return mx.concatenate([pad, x[:-d]], axis=0)
 
 
-# The chunked schedule's products (``affine.py``; the kernels' ``recgen_scale``,
-# ``recgen_compose``, ``recgen_apply``): IEEE's, but a zero state is no term. Their derivatives
-# are the product's (``d/dh = m`` at ``h == 0`` too), so they carry their own VJP and JVP.
+# The chunked schedule's products (``affine.py``; the kernels' ``recgen_compose`` and
+# ``recgen_apply``; ``scale`` is resolved symbolically in the step maps): IEEE's, but a zero state
+# is no term. Their derivatives are the product's (``d/dh = p`` at ``h == 0`` too), so they carry
+# their own VJP and JVP.
 _SMALLEST_NORMAL = 1.17549435e-38
 
 
@@ -75,15 +77,9 @@ def _product(value):
 
 
 @_product
-def _scale(m, h):
-    """A step's multiplier applied to a state: 0 for a zero state (NaN for a NaN ``m``)."""
-    return mx.where((h == 0) & (m == m), 0.0, m * h)
-
-
-@_product
 def _compose(m, p):
-    """``m`` times a product of multipliers: as ``_scale``, and a product of nonzero factors
-    that underflows is the smallest normal float with its sign."""
+    """``m`` times a product of multipliers: a zero ``p`` is no term (NaN for a NaN ``m``), and
+    a product of nonzero factors that underflows is the smallest normal float with its sign."""
     r = mx.where((p == 0) & (m == m), 0.0, m * p)
     tiny = mx.where((m < 0) != (p < 0), -_SMALLEST_NORMAL, _SMALLEST_NORMAL)
     return mx.where((r == 0) & (m != 0) & (p != 0), tiny, r)
@@ -212,7 +208,9 @@ class ChunkedForm(SequentialForm):
                   for j in range(K)] for i in range(K)]
             b = [_fit(res[self.slot_index[s]], sh) for s, sh in zip(blk.slots, shapes)]
             h0 = [carry[s] for s in syms]
-            first = [sum((_scale(A[i][k][:1], h0[k]) for k in range(K)), start=b[i][:1])
+            # the checkpoint is a state, not the structure of a map: IEEE's product, as the
+            # sequential step forms it
+            first = [sum((A[i][k][:1] * h0[k] for k in range(K)), start=b[i][:1])
                      for i in range(K)]
             b = [_concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
             for s, h in zip(syms, affine_scan(A, b)):
