@@ -28,11 +28,14 @@ here; the carry's ``apply`` in the backends), each IEEE's product but for one ru
 * a zero state is no term: ``scale(m, 0)`` is 0 (NaN if ``m`` is NaN), ``apply(P, 0)`` is 0
   whatever ``P`` (a NaN gate inside ``P`` also reached the inputs' part through ``scale``);
 * ``compose`` keeps a product of nonzero multipliers that underflows at the smallest normal
-  float with its sign, so that an infinite state it scales stays infinite.
+  float with its sign, so that an infinite state it scales stays infinite;
+* a summary counts where an infinite multiplier met its zero state (``zero_hit``): from a zero
+  segment start the sequential steps meet ``inf * 0`` there, and the carry gives NaN.
 
-What remains different from the sequential steps: an infinite multiplier applied to a state that
-is exactly zero is NaN there and no term here; a product that overflows applied to a tiny state
-is infinite here where the sequential steps may stay finite.
+What remains different from the sequential steps: a product that overflows applied to a tiny
+state is infinite here where the sequential steps may stay finite; in a ``K x K`` block, an
+infinite multiplier distributed over the block's entries (``a cos u - a sin w``) may be
+``inf - inf`` where the step's own expression (``a (cos u - sin w)``) is infinite.
 """
 
 from __future__ import annotations
@@ -174,6 +177,20 @@ class scale(sympy.Function):
             return h
 
 
+class zero_hit(sympy.Function):
+    """1 where an infinite multiplier ``m`` meets a zero state ``h``, else 0. Counted over a
+    segment summary, which starts from zero: where the state at the segment's start is zero
+    too, the sequential steps meet ``inf * 0 = NaN`` there, and the carry gives NaN. Rendered
+    ``recgen_zero_hit``."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, m, h):
+        if m.is_Number and m.is_finite:  # (a spec's symbols are real, so "finite" to sympy)
+            return sympy.S.Zero
+
+
 class compose(sympy.Function):
     """``m * p``, a step's multiplier times a product of multipliers: zero terms as in
     ``scale``, and a product of nonzero factors that underflows is the smallest normal float
@@ -194,13 +211,17 @@ class compose(sympy.Function):
 
 @dataclass(frozen=True)
 class ProductEntry:
-    """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it."""
+    """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it.
+    Row ``K`` (the block's size), column 0, is the block's count of zero hits instead (see
+    ``zero_hit``; per state element where the block has the state axis): stored after the
+    ``K x K`` entries, read by the forward carry only."""
 
     block: int
     row: int
     col: int
     symbol: sympy.Symbol
     pointwise: bool
+    hits: bool = False
 
     @property
     def slot(self) -> Slot:
@@ -225,6 +246,9 @@ def product_entries(ir: StepIR, form: AffineForm) -> list:
         for i in range(block.size):
             for j in range(block.size):
                 out.append(ProductEntry(b, i, j, ir.namer(f"P{b}_{i}{j}"), block.pointwise))
+        # a hit depends on the state element: per element in a block with the state axis
+        out.append(ProductEntry(b, block.size, 0, ir.namer(f"Z{b}"),
+                                block.pointwise or block.vector, True))
     return out
 
 
@@ -247,6 +271,9 @@ def _summary_updates(ir: StepIR, form: AffineForm, products: list) -> dict:
                 new_state[entry[(b, i, j)].slot] = sympy.Add(*[
                     compose(block.multiplier[i][k], entry[(b, k, j)].symbol)
                     for k in range(block.size)])
+        hits = entry[(b, block.size, 0)]
+        new_state[hits.slot] = sympy.Add(hits.symbol, *[
+            zero_hit(m, syms[j]) for row in block.multiplier for j, m in enumerate(row)])
     return new_state
 
 
@@ -272,7 +299,9 @@ def step_maps_program(ir: StepIR, form: AffineForm, products: list) -> Program:
     multiplier ``M`` (under the product entries' slots), read from the inputs only."""
     start = {ir.spec.symbols[s]: sympy.S.Zero for s in ir.spec.state_slots()}
     start.update({p.symbol: sympy.S.One if p.row == p.col else sympy.S.Zero for p in products})
-    maps = {s: e.xreplace(start) for s, e in _summary_updates(ir, form, products).items()}
+    hits = {p.slot for p in products if p.hits}
+    maps = {s: e.xreplace(start) for s, e in _summary_updates(ir, form, products).items()
+            if s not in hits}
     return schedule_forward(_summary_ir(ir, products, maps))
 
 
@@ -332,4 +361,4 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
 
 __all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse", "compose",
            "outputs_of_updated_state", "product_entries", "scale", "segment_summary",
-           "step_maps_program", "summary_program"]
+           "step_maps_program", "summary_program", "zero_hit"]

@@ -497,7 +497,9 @@ class _Segments:
         products, offsets = {}, {}
         for b, block in enumerate(self.rec.affine.blocks):
             k = block.size
-            A = [[prods[b][:, :, (j * k + i) if adjoint else (i * k + j)] for j in range(k)]
+            # a block with the state axis stores its entries in every row: one is the product
+            rows = slice(None) if block.pointwise else slice(0, 1)
+            A = [[prods[b][:, :, (j * k + i) if adjoint else (i * k + j), rows] for j in range(k)]
                  for i in range(k)]
             c = [per_segment[n][:, :, comp] for n, comp in (self.where[s] for s in block.slots)]
             A, c = _fold(A, c, reverse=adjoint)

@@ -174,6 +174,9 @@ def _nonfinite_case(name, case):
         ins[gate][:, 5] = INF
     elif case == "inf_gate_first":  # the first step of a segment: the summary starts from 0
         ins[gate][:, 4] = INF
+    elif case == "inf_gate_zero_state":  # inf * 0 in the sequential steps: NaN from there on
+        ins[gate][:, 1] = INF
+        ins[drive][:, :2] = 0.0
     elif case == "inf_state":  # products of 1e-30 under an infinite state: it stays inf
         ins[drive][:, 1] = INF
         ins[gate][:, 2:] = 1e-30
@@ -192,7 +195,8 @@ def _assert_same(ours, ref, label):
 
 
 NONFINITE = [(n, c) for n in ("rglru", "gla")
-             for c in ("overflow", "inf_gate_inside", "inf_gate_first", "inf_state")]
+             for c in ("overflow", "inf_gate_inside", "inf_gate_first", "inf_gate_zero_state",
+                       "inf_state")]
 # a rotation of infinite vectors is NaN in an order-dependent way (inf - inf): the cases whose
 # values stay defined
 NONFINITE += [("rotlru", "overflow"), ("rotlru", "inf_state")]

@@ -211,7 +211,9 @@ class KernelBackend:
 
     def _product_shapes(self, sizes, schedule, instances):
         segments = -(-sizes[self.rec.spec.time] // schedule.seg)
-        return [(segments, instances, b.size * b.size, schedule.state_size if b.pointwise else 1,
+        # the K x K entries, then the count of zero hits (``ChunkedRenderer.per_element``)
+        return [(segments, instances, b.size * b.size + 1,
+                 schedule.state_size if ChunkedRenderer.per_element(b) else 1,
                  sizes[self.rec.spec.lane]) for b in self.rec.affine.blocks]
 
     def residual_shapes(self, sizes, seg, threads=None, split=None):

@@ -100,22 +100,27 @@ def _timed(x, T: int, rank: int):
     return x if x.shape[0] == T else mx.broadcast_to(x, (T, *x.shape[1:]))
 
 
-def _hillis_steele(A: list, b: list) -> list:
+def _hillis_steele(A: list, b: list, Z=None) -> list:
     """The offsets of the inclusive scan of ``h <- A_t h + b_t``: round ``d`` composes every map
-    with the one ``d`` steps before it."""
+    with the one ``d`` steps before it. ``Z``: per step, whether an infinite multiplier meets
+    the zero state a step's own map starts from (``affine.zero_hit``); composed, it says
+    whether the sequential steps from the first step met ``inf * 0``, and those states are NaN."""
     K, T = len(b), b[0].shape[0]
     d = 1
     while d < T:
         last = 2 * d >= T
         Ab = [[_shift(A[k][j], d, 1.0 if k == j else 0.0) for j in range(K)] for k in range(K)]
         bb = [_shift(x, d, 0.0) for x in b]
+        if Z is not None:  # the earlier maps' hits, and the later ones' where they start at 0
+            zero = functools.reduce(mx.logical_and, [x == 0 for x in bb])
+            Z = mx.logical_or(_shift(Z, d, False), mx.logical_and(zero, Z))
         b = [sum((_apply(A[i][k], bb[k]) for k in range(K)), start=b[i]) for i in range(K)]
         if not last:
             A = [[sum((_compose(A[i][k], Ab[k][j]) for k in range(1, K)),
                       start=_compose(A[i][0], Ab[0][j]))
                   for j in range(K)] for i in range(K)]
         d *= 2
-    return b
+    return b if Z is None else [mx.where(Z, mx.nan, x) for x in b]
 
 
 def _newest_first(x):
@@ -136,13 +141,14 @@ def _scan_function(K: int):
     per step, as the sequential steps form it (the rounds' products of infinite and zero
     cotangents would be NaN)."""
     def split(arrays):
-        return [list(arrays[i * K:(i + 1) * K]) for i in range(K)], list(arrays[K * K:])
+        return ([list(arrays[i * K:(i + 1) * K]) for i in range(K)],
+                list(arrays[K * K:K * K + K]), arrays[-1])
 
     f = mx.custom_function(lambda *arrays: tuple(_hillis_steele(*split(arrays))))
 
     @f.vjp
     def _(primals, cotangents, outputs):
-        A, b = split(primals)
+        A, b, Z = split(primals)
         T = b[0].shape[0]
         At = [[_newest_first(_next(A[j][i], 1.0 if i == j else 0.0)) for j in range(K)]
               for i in range(K)]
@@ -151,17 +157,20 @@ def _scan_function(K: int):
         first = (mx.arange(T) == 0).reshape((T,) + (1,) * (lam[0].ndim - 1))
         dA = [_sum_to(mx.where(first, 0.0, lam[i] * before[j]), A[i][j].shape)
               for i in range(K) for j in range(K)]
-        return (*dA, *(_sum_to(g, x.shape) for g, x in zip(lam, b)))
+        return (*dA, *(_sum_to(g, x.shape) for g, x in zip(lam, b)), mx.zeros_like(Z))
 
     return f
 
 
-def affine_scan(A: list, b: list) -> list:
+def affine_scan(A: list, b: list, Z=None) -> list:
     """The inclusive scan of the affine maps ``h <- A_t h + b_t`` over the leading (time) axis:
     ``A`` is a ``K x K`` list of arrays, ``b`` a list of ``K`` arrays; returns, for every ``t``,
-    the offsets of the composed map ``(A_t, b_t) o ... o (A_0, b_0)`` (Hillis-Steele)."""
+    the offsets of the composed map ``(A_t, b_t) o ... o (A_0, b_0)`` (Hillis-Steele). ``Z``
+    (bool, default none): the steps whose multiplier is infinite (see ``_hillis_steele``)."""
     K = len(b)
-    return list(_scan_function(K)(*(x for row in A for x in row), *b))
+    if Z is None:
+        Z = mx.zeros(b[0].shape[:1] + (1,) * (b[0].ndim - 1), dtype=mx.bool_)
+    return list(_scan_function(K)(*(x for row in A for x in row), *b, Z))
 
 
 class ChunkedForm(SequentialForm):
@@ -213,7 +222,11 @@ class ChunkedForm(SequentialForm):
             first = [sum((A[i][k][:1] * h0[k] for k in range(K)), start=b[i][:1])
                      for i in range(K)]
             b = [_concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
-            for s, h in zip(syms, affine_scan(A, b)):
+            # an infinite multiplier: from a zero state, inf * 0 in the sequential steps (the
+            # first step's IEEE product forms it itself)
+            hits = functools.reduce(mx.logical_or, [mx.abs(a) == mx.inf for row in A for a in row])
+            hits = mx.logical_and(hits, (mx.arange(T) > 0).reshape((T,) + (1,) * (hits.ndim - 1)))
+            for s, h in zip(syms, affine_scan(A, b, mx.stop_gradient(hits))):
                 after[s] = h
         if self.outputs_after:
             outs = self._call(self.outputs_after, after, block)
