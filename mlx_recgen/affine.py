@@ -212,9 +212,9 @@ class compose(sympy.Function):
 @dataclass(frozen=True)
 class ProductEntry:
     """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it.
-    Row ``K`` (the block's size), column 0, is the block's count of zero hits instead (see
-    ``zero_hit``; per state element where the block has the state axis): stored after the
-    ``K x K`` entries, read by the forward carry only."""
+    Row ``K`` (the block's size), column 0, with ``hits``, is the block's count of zero hits
+    instead (see ``zero_hit``; per state element where the block has the state axis): a buffer
+    of its own in the kernels, read by the forward carry only."""
 
     block: int
     row: int

@@ -19,9 +19,9 @@ backward  summary   per segment: sweep ``λ`` from zero with the adjoint's ``λ`
 
 Buffers that hold one state per segment (checkpoints, local states, local and end adjoints)
 share the checkpoint layout ``[segment, instance, component, NS or 1, lane]``; the composed
-multiplier of block ``b`` is ``prod<b>`` with layout ``[segment, instance, entry, NS or 1, lane]``:
-its ``K x K`` entries, then the count of zero hits (``affine.zero_hit``); NS rows where the entries
-vary over the state index or the block has the state axis.
+multiplier of block ``b`` is ``prod<b>`` with layout ``[segment, instance, entry, NS or 1, lane]``,
+and its count of zero hits (``affine.zero_hit``, read by the forward carry) is ``hits<b>`` with
+layout ``[segment, instance, 1, NS or 1, lane]`` (NS rows for a block with the state axis).
 """
 
 from __future__ import annotations
@@ -59,25 +59,25 @@ class ChunkedRenderer(KernelRenderer):
         return f"prod{block}"
 
     @staticmethod
-    def per_element(block) -> bool:
-        """``prod<b>`` holds NS rows per entry: the entries vary over the state index, or the
-        block has the state axis (its count of zero hits is per element; the ``K x K`` entries
-        are then stored in every row)."""
-        return block.pointwise or block.vector
+    def hits_buffer(block: int) -> str:
+        return f"hits{block}"
 
     def _product_offset(self, p) -> str:
         block = self.form.blocks[p.block]
-        n, width = ("n", "NS") if self.per_element(block) else ("0", "1")
-        entries = block.size * block.size + 1  # the K x K entries, then the count of zero hits
+        if p.hits:  # its own buffer: [segment, instance, 1, NS or 1, lane]
+            n, width = ("n", "NS") if block.vector else ("0", "1")
+            return f"((s * instances + instance) * {width} + {n}) * lanes + lane"
+        n, width = ("n", "NS") if p.pointwise else ("0", "1")
+        entries = block.size * block.size
         e = p.row * block.size + p.col
         return (f"(((s * instances + instance) * {entries} + {e}) * {width} + {n}) "
                 f"* lanes + lane")
 
     def _products_ctx(self):
         return [dict(reg=self.names[("state", p.symbol)], pointwise=p.pointwise,
-                     per_element=self.per_element(self.form.blocks[p.block]),
                      identity="1.0f" if p.row == p.col else "0.0f",
-                     buffer=self.product_buffer(p.block),
+                     buffer=self.hits_buffer(p.block) if p.hits else
+                     self.product_buffer(p.block),
                      offset=self._product_offset(p))
                 for p in self.products]
 
@@ -120,8 +120,8 @@ class ChunkedRenderer(KernelRenderer):
             for p in self.products:
                 if p.block == b and not (p.hits and reverse):
                     name = "hits" if p.hits else f"p_{p.row}{p.col}"
-                    lines.append(f"const float {name} = {self.product_buffer(b)}"
-                                 f"[{self._product_offset(p)}];")
+                    buffer = self.hits_buffer(b) if p.hits else self.product_buffer(b)
+                    lines.append(f"const float {name} = {buffer}[{self._product_offset(p)}];")
             if not reverse:  # from a zero start the sequential steps met inf * 0 in the segment
                 zero = " && ".join(f"old_{i} == 0.0f" for i in range(block.size))
                 lines.append(f"const bool met_inf_zero = {zero} && hits != 0.0f;")
