@@ -165,7 +165,8 @@ def analyse(ir: StepIR) -> AffineForm:
 class scale(sympy.Function):
     """``m * h``, a step's multiplier applied to a state, where a zero state is no term: 0 even
     for an infinite ``m`` (NaN for a NaN ``m``). Rendered ``recgen_scale``; never
-    differentiated (the summary is a forward program)."""
+    differentiated (the summary is a forward program). Symbolically ``scale(m, 0)`` is 0: the
+    step maps' offsets, whose non-finite multipliers the pure-MLX scan counts itself."""
 
     nargs = 2
 
@@ -206,7 +207,6 @@ class compose(sympy.Function):
             return p
         if p == 1:
             return m
-
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,10 @@ def _timed(x, T: int, rank: int):
 
 def _hillis_steele(A: list, b: list, Z=None) -> list:
     """The offsets of the inclusive scan of ``h <- A_t h + b_t``: round ``d`` composes every map
-    with the one ``d`` steps before it. ``Z``: per step, whether an infinite multiplier meets
+    with the one ``d`` steps before it. ``Z``: per step, whether a non-finite multiplier meets
     the zero state a step's own map starts from (``affine.zero_hit``); composed, it says
-    whether the sequential steps from the first step met ``inf * 0``, and those states are NaN."""
+    whether the sequential steps from the first step met ``inf * 0`` or ``NaN * 0``, and those
+    states are NaN."""
     K, T = len(b), b[0].shape[0]
     d = 1
     while d < T:
@@ -166,7 +167,7 @@ def affine_scan(A: list, b: list, Z=None) -> list:
     """The inclusive scan of the affine maps ``h <- A_t h + b_t`` over the leading (time) axis:
     ``A`` is a ``K x K`` list of arrays, ``b`` a list of ``K`` arrays; returns, for every ``t``,
     the offsets of the composed map ``(A_t, b_t) o ... o (A_0, b_0)`` (Hillis-Steele). ``Z``
-    (bool, default none): the steps whose multiplier is infinite (see ``_hillis_steele``)."""
+    (bool, default none): the steps whose multiplier is not finite (see ``_hillis_steele``)."""
     K = len(b)
     if Z is None:
         Z = mx.zeros(b[0].shape[:1] + (1,) * (b[0].ndim - 1), dtype=mx.bool_)
@@ -222,9 +223,10 @@ class ChunkedForm(SequentialForm):
             first = [sum((A[i][k][:1] * h0[k] for k in range(K)), start=b[i][:1])
                      for i in range(K)]
             b = [_concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
-            # an infinite multiplier: from a zero state, inf * 0 in the sequential steps (the
-            # first step's IEEE product forms it itself)
-            hits = functools.reduce(mx.logical_or, [mx.abs(a) == mx.inf for row in A for a in row])
+            # a non-finite multiplier: from a zero state, inf * 0 or NaN * 0 in the sequential
+            # steps (the first step's IEEE product forms it itself)
+            hits = functools.reduce(mx.logical_or,
+                                    [mx.logical_not(mx.isfinite(a)) for row in A for a in row])
             hits = mx.logical_and(hits, (mx.arange(T) > 0).reshape((T,) + (1,) * (hits.ndim - 1)))
             for s, h in zip(syms, affine_scan(A, b, mx.stop_gradient(hits))):
                 after[s] = h
