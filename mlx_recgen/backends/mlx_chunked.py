@@ -183,15 +183,14 @@ class ChunkedForm(SequentialForm):
         super().__init__(rec, table)
         self.form = rec.affine
         self.products = rec.segment_summary.products
-        self.summary = render_mlx(rec.segment_summary.maps, "step_maps")
-        self.product_syms = {p.symbol: p for p in self.products}
+        self.maps = render_mlx(rec.segment_summary.maps, "step_maps")
         after = outputs_of_updated_state(rec.ir)
         self.outputs_after = after and render_mlx(after, "outputs_after")
         if self.outputs_after:  # its results in the post phase's order
             order = [slot for _, slot in self.outputs_after.results]
             self.after_order = [order.index(slot) for _, slot in self.forward_chain.post.results]
-        self.slot_index = {}  # the summary's stores, by (tensor, component) or (block, row, col)
-        for i, (_, slot) in enumerate(self.summary.results):
+        self.slot_index = {}  # the step maps' stores, by (tensor, component) or (block, row, col)
+        for i, (_, slot) in enumerate(self.maps.results):
             self.slot_index[slot] = i
 
     # -- one segment ---------------------------------------------------------------------------
@@ -199,16 +198,9 @@ class ChunkedForm(SequentialForm):
         """The outputs of a block of steps (time-major) and the states after each step."""
         spec, table = self.rec.spec, self.table
         T = block.steps
-        args = [block.ones] if self.summary.needs_state_ones else []
-        for sym in self.summary.args:
-            if sym in self.product_syms:
-                p = self.product_syms[sym]
-                args.append(mx.array(1.0 if p.row == p.col else 0.0))
-            elif sym in table.state_of.values() or sym in table.states:
-                args.append(mx.array(0.0))
-            else:
-                args.append(block.values[table.key[sym][1]])
-        res = self.summary.fn(*args)
+        args = [block.ones] if self.maps.needs_state_ones else []
+        args += [block.values[table.key[sym][1]] for sym in self.maps.args]  # inputs only
+        res = self.maps.fn(*args)
         after = {}
         for bi, blk in enumerate(self.form.blocks):
             syms = [spec.symbols[s] for s in blk.slots]
