@@ -64,13 +64,16 @@ def derive(ir: StepIR) -> Adjoint:
     scalar_uses += [(lam[s], e) for s, e in ir.new_state.items() if not ir.is_vector_slot(s)]
     pointwise_uses = [(lam[s], e) for s, e in ir.new_state.items() if ir.is_vector_slot(s)]
 
+    # A value read by several uses gets the sum of their cotangents before the product with its
+    # derivative, as reverse mode does: ``h * (ȳ + λ)``, not ``ȳ h + λ h``, which is NaN for an
+    # infinite ``h`` and a zero cotangent where the true gradient is infinite.
     def direct(z):
-        return sympy.Add(*[c * _grad(e, z) for c, e in scalar_uses])
+        return sympy.factor_terms(sympy.Add(*[c * _grad(e, z) for c, e in scalar_uses]))
 
     def pointwise(z, reductions):
         terms = [c * _grad(e, z) for c, e in pointwise_uses]
         terms += [sbar[r.target] * _grad(r.body, z) for r in reductions]
-        return sympy.Add(*terms)
+        return sympy.factor_terms(sympy.Add(*terms))
 
     # Accumulated sums, by summand: Σ_n c·f(n) is kept as c · Σ_n f(n) (c free of n), so
     # sums that differ only in such a factor are accumulated once (a delta rule's dβ, dv and

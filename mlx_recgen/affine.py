@@ -17,6 +17,25 @@ element for GLA, SSD, RG-LRU; a 2x2 rotation for the rotational LRU). The analys
 * a state with the state axis and one without may not feed each other's updates.
 
 Outputs may be any function of the states: they are recomputed per segment.
+
+Non-finite values. The sequential steps never form a product of multipliers, the chunked
+schedule does, and IEEE's ``inf * 0 = NaN`` would turn exact results into NaN: a product that
+overflows meets a zero state, one that underflows meets an infinite state, an infinite gate
+meets the zero state a summary starts from. A composed map keeps the state's part apart from
+the inputs' part, so the chunked forms compose with three operations (``scale``, ``compose``
+here; the carry's ``apply`` in the backends), each IEEE's product but for one rule:
+
+* a zero state is no term: ``scale(m, 0)`` is 0 (NaN if ``m`` is NaN), ``apply(P, 0)`` is 0
+  whatever ``P`` (a NaN gate inside ``P`` also reached the inputs' part through ``scale``);
+* ``compose`` keeps a product of nonzero multipliers that underflows at the smallest normal
+  float with its sign, so that an infinite state it scales stays infinite;
+* a summary counts where an infinite multiplier met its zero state (``zero_hit``): from a zero
+  segment start the sequential steps meet ``inf * 0`` there, and the carry gives NaN.
+
+What remains different from the sequential steps: a product that overflows applied to a tiny
+state is infinite here where the sequential steps may stay finite; in a ``K x K`` block, an
+infinite multiplier distributed over the block's entries (``a cos u - a sin w``) may be
+``inf - inf`` where the step's own expression (``a (cos u - sin w)``) is infinite.
 """
 
 from __future__ import annotations
@@ -143,15 +162,66 @@ def analyse(ir: StepIR) -> AffineForm:
 # ---------------------------------------------------------------------------------------------
 
 
+class scale(sympy.Function):
+    """``m * h``, a step's multiplier applied to a state, where a zero state is no term: 0 even
+    for an infinite ``m`` (NaN for a NaN ``m``). Rendered ``recgen_scale``; never
+    differentiated (the summary is a forward program). Symbolically ``scale(m, 0)`` is 0: the
+    step maps' offsets, whose non-finite multipliers the pure-MLX scan counts itself."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, m, h):
+        if h.is_zero or m.is_zero:
+            return sympy.S.Zero
+        if m == 1:
+            return h
+
+
+class zero_hit(sympy.Function):
+    """1 where an infinite multiplier ``m`` meets a zero state ``h``, else 0. Counted over a
+    segment summary, which starts from zero: where the state at the segment's start is zero
+    too, the sequential steps meet ``inf * 0 = NaN`` there, and the carry gives NaN. Rendered
+    ``recgen_zero_hit``."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, m, h):
+        if m.is_Number and m.is_finite:  # (a spec's symbols are real, so "finite" to sympy)
+            return sympy.S.Zero
+
+
+class compose(sympy.Function):
+    """``m * p``, a step's multiplier times a product of multipliers: zero terms as in
+    ``scale``, and a product of nonzero factors that underflows is the smallest normal float
+    with its sign. Rendered ``recgen_compose``."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, m, p):
+        if m.is_zero or p.is_zero:
+            return sympy.S.Zero
+        if m == 1:
+            return p
+        if p == 1:
+            return m
+
+
 @dataclass(frozen=True)
 class ProductEntry:
-    """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it."""
+    """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it.
+    Row ``K`` (the block's size), column 0, with ``hits``, is the block's count of zero hits
+    instead (see ``zero_hit``; per state element where the block has the state axis): a buffer
+    of its own in the kernels, read by the forward carry only."""
 
     block: int
     row: int
     col: int
     symbol: sympy.Symbol
     pointwise: bool
+    hits: bool = False
 
     @property
     def slot(self) -> Slot:
@@ -176,26 +246,63 @@ def product_entries(ir: StepIR, form: AffineForm) -> list:
         for i in range(block.size):
             for j in range(block.size):
                 out.append(ProductEntry(b, i, j, ir.namer(f"P{b}_{i}{j}"), block.pointwise))
+        # a hit depends on the state element: per element in a block with the state axis
+        out.append(ProductEntry(b, block.size, 0, ir.namer(f"Z{b}"),
+                                block.pointwise or block.vector, True))
     return out
+
+
+def _summary_updates(ir: StepIR, form: AffineForm, products: list) -> dict:
+    """The summary step's stores: ``h_i <- Σ_j scale(M_ij, h_j) + F_i(0)`` (the update split
+    into the state's part and the inputs' part, ``F_i(0)`` with the state symbolically zero)
+    and ``P_ij <- Σ_k compose(M_ik, P_kj)``."""
+    spec = ir.spec
+    entry = {(p.block, p.row, p.col): p for p in products}
+    new_state = {}
+    for b, block in enumerate(form.blocks):
+        syms = [spec.symbols[s] for s in block.slots]
+        zero = {h: sympy.S.Zero for h in syms}
+        for i, s in enumerate(block.slots):
+            offset = ir.new_state[s].xreplace(zero)
+            new_state[s] = sympy.Add(offset, *[scale(block.multiplier[i][j], syms[j])
+                                               for j in range(block.size)])
+        for i in range(block.size):
+            for j in range(block.size):
+                new_state[entry[(b, i, j)].slot] = sympy.Add(*[
+                    compose(block.multiplier[i][k], entry[(b, k, j)].symbol)
+                    for k in range(block.size)])
+        hits = entry[(b, block.size, 0)]
+        new_state[hits.slot] = sympy.Add(hits.symbol, *[
+            zero_hit(m, syms[j]) for row in block.multiplier for j, m in enumerate(row)])
+    return new_state
+
+
+def _summary_ir(ir: StepIR, products: list, new_state: dict) -> _SummaryIR:
+    reads = set().union(*(e.free_symbols for e in new_state.values()))
+    keep = _with_dependencies(ir.reductions, reads)
+    vector = set(ir.vector) | {p.symbol for p in products if p.pointwise}
+    summary = _SummaryIR(ir.spec, keep, new_state, {}, frozenset(vector), ir.namer)
+    summary.product_vector = frozenset(p.slot for p in products if p.pointwise)
+    return summary
 
 
 def summary_program(ir: StepIR, form: AffineForm, products: list) -> Program:
     """One step of a segment summary: the state update (run from a zero state it yields the
     segment's local end state) and ``P <- M P`` (from the identity, the composed multiplier).
     Stores are all of kind ``state``: product entries are stored to their own slots."""
-    entry = {(p.block, p.row, p.col): p for p in products}
-    new_state = {s: ir.new_state[s] for s in ir.spec.state_slots()}
-    for b, block in enumerate(form.blocks):
-        for i in range(block.size):
-            for j in range(block.size):
-                new_state[entry[(b, i, j)].slot] = sympy.Add(*[
-                    block.multiplier[i][k] * entry[(b, k, j)].symbol for k in range(block.size)])
-    reads = set().union(*(e.free_symbols for e in new_state.values()))
-    keep = _with_dependencies(ir.reductions, reads)
-    vector = set(ir.vector) | {p.symbol for p in products if p.pointwise}
-    summary = _SummaryIR(ir.spec, keep, new_state, {}, frozenset(vector), ir.namer)
-    summary.product_vector = frozenset(p.slot for p in products if p.pointwise)
-    return schedule_forward(summary)
+    return schedule_forward(_summary_ir(ir, products, _summary_updates(ir, form, products)))
+
+
+def step_maps_program(ir: StepIR, form: AffineForm, products: list) -> Program:
+    """Every step's own map: the summary step from a zero state and the identity product,
+    symbolically, so its stores are the offset ``F(0)`` (under the state's slots) and the
+    multiplier ``M`` (under the product entries' slots), read from the inputs only."""
+    start = {ir.spec.symbols[s]: sympy.S.Zero for s in ir.spec.state_slots()}
+    start.update({p.symbol: sympy.S.One if p.row == p.col else sympy.S.Zero for p in products})
+    hits = {p.slot for p in products if p.hits}
+    maps = {s: e.xreplace(start) for s, e in _summary_updates(ir, form, products).items()
+            if s not in hits}
+    return schedule_forward(_summary_ir(ir, products, maps))
 
 
 def _with_dependencies(reductions, reads) -> list:
@@ -210,6 +317,31 @@ def _with_dependencies(reductions, reads) -> list:
     return [r for r in reductions if r.target in need]
 
 
+def outputs_of_updated_state(ir: StepIR):
+    """The outputs as functions of the updated state, where every read of the old state is
+    inside the update's own expression (``y = a h + x`` with ``h <- a h + x`` reads ``h'``):
+    a program whose state symbols stand for the states after the step, or ``None``.
+
+    The chunked forms know the states after every step; outputs computed from them take one
+    cotangent per updated state, as the sequential steps' do (recomputed from the states
+    before the step, an input's gradient is split between two products, ``ȳ h + λ h``, which
+    is NaN for an infinite ``h`` and ``λ = 0``)."""
+    spec = ir.spec
+    old = {spec.symbols[s] for s in spec.state_slots()}
+    fresh = {e: sympy.Dummy(f"{spec.symbols[s]}_new") for s, e in ir.new_state.items()}
+    outputs = {s: e.xreplace(fresh) for s, e in ir.outputs.items()}
+    reads = set().union(*(e.free_symbols for e in outputs.values()))
+    reductions = [type(r)(r.target, r.body.xreplace(fresh), r.level)
+                  for r in _with_dependencies(ir.reductions, reads)]
+    exprs = list(outputs.values()) + [r.body for r in reductions]
+    if any(e.free_symbols & old for e in exprs):
+        return None
+    back = {d: spec.symbols[s] for s, d in ((s, fresh[e]) for s, e in ir.new_state.items())}
+    outputs = {s: e.xreplace(back) for s, e in outputs.items()}
+    reductions = [type(r)(r.target, r.body.xreplace(back), r.level) for r in reductions]
+    return schedule_forward(StepIR(spec, reductions, {}, outputs, ir.vector, ir.namer))
+
+
 @dataclass(frozen=True)
 class SegmentSummary:
     """The segment summary of a state-affine recurrence: its product entries and the step that
@@ -218,12 +350,15 @@ class SegmentSummary:
 
     products: tuple
     program: Program
+    maps: Program  # every step's multiplier and offset (``step_maps_program``)
 
 
 def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
     products = tuple(product_entries(ir, form))
-    return SegmentSummary(products, summary_program(ir, form, list(products)))
+    return SegmentSummary(products, summary_program(ir, form, list(products)),
+                          step_maps_program(ir, form, list(products)))
 
 
-__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse",
-           "product_entries", "segment_summary", "summary_program"]
+__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse", "compose",
+           "outputs_of_updated_state", "product_entries", "scale", "segment_summary",
+           "step_maps_program", "summary_program", "zero_hit"]

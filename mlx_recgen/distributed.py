@@ -478,6 +478,7 @@ class _Segments:
         self.values = impl._state_buffer_shapes(sizes, self.sch, instances)
         self.shares = impl._state_buffer_shapes(sizes, self.sch, instances, shares=True)
         self.products = impl._product_shapes(sizes, self.sch, instances)
+        self.hits = impl._hits_shapes(sizes, self.sch, instances)
         self.where = {Slot(t.name, c): (n, c)  # each slot's state buffer and component
                       for n, t in enumerate(spec.states.values()) for c in range(t.components)}
 
@@ -509,17 +510,18 @@ class _Segments:
 
     def summarise(self, inputs):
         meta = self.impl._meta(self.sizes, self.sch)  # one per pass
-        summary = self._run("summary", meta, _buffers(inputs), self.values + self.products,
-                            [mx.float32] * (self.n_state + len(self.products)),
-                            _dtypes_text(inputs))
-        local, prods = summary[:self.n_state], summary[self.n_state:]
+        shapes = self.values + self.products + self.hits
+        summary = self._run("summary", meta, _buffers(inputs), shapes,
+                            [mx.float32] * len(shapes), _dtypes_text(inputs))
+        n, m = self.n_state, self.n_state + len(self.products)
+        local, prods, hits = summary[:n], summary[n:m], summary[m:]
         products, local_end = self._compose(prods, local, adjoint=False)
-        return products, local_end, (meta, local, prods)
+        return products, local_end, (meta, local, prods, hits)
 
     def forward(self, inputs, start, memo):
         spec, n = self.spec, self.n_state
-        meta, local, prods = memo
-        carried = self._run("carry", meta, [*start, *local, *prods],
+        meta, local, prods, hits = memo
+        carried = self._run("carry", meta, [*start, *local, *prods, *hits],
                             [declared_shape(t, self.sizes) for t in spec.states.values()]
                             + self.values, [mx.float32] * (2 * n), _dtypes_text(start))
         ckpts = carried[n:]

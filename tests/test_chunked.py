@@ -1,8 +1,10 @@
 """Chunking: L steps at once equal two chunks with the first chunk's final state passed as the
 second's ``initial_state`` — outputs, final state and gradients, including the gradient of the
-first chunk's inputs that flows through the passed state."""
+first chunk's inputs that flows through the passed state. And the chunked schedule on
+non-finite and overflowing inputs: what the sequential schedule and the reference give."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import mlx_recgen as rg
@@ -139,3 +141,110 @@ def test_gradient_flows_through_passed_state(name, runner):
             assert mx.abs(first).max().item() > 0, f"no gradient reaches chunk one's {label}"
             assert rel_err(first, r[:, :split]) < TOL, f"chunk one's gradient of {label}"
         assert rel_err(a, r) < TOL, f"gradient of {label}"
+
+
+# -- non-finite and overflowing inputs ---------------------------------------------------------
+# The chunked schedule forms products of multipliers that the sequential steps never form: they
+# overflow over a zero state, underflow under an infinite one, and an infinite gate meets the zero
+# state a segment summary starts from. Each case gives what the sequential schedule and the
+# reference give, forward and gradients, NaN and infinities included.
+
+INF = float("inf")
+NONFINITE_L, NONFINITE_SEG = 12, 4
+
+
+def _nonfinite_case(name, case):
+    L = NONFINITE_L
+    full = lambda shape, v: mx.full(shape, v)  # noqa: E731
+    if name == "rglru":
+        ins = {"a": full((1, L, 2), 0.5), "x": full((1, L, 2), 1.0)}
+        gate, drive = "a", "x"
+    elif name == "gla":
+        ins = {"q": full((1, L, 1, 3), 0.5), "k": full((1, L, 1, 3), 0.7),
+               "v": full((1, L, 1, 2), 0.3), "g": full((1, L, 1), 0.5)}
+        gate, drive = "g", "k"
+    else:  # rotlru: a 2x2 block
+        ins = {"a": full((1, L, 2), 0.5), "cos": full((1, L, 2), 0.8),
+               "sin": full((1, L, 2), 0.6), "x": full((1, L, 2, 2), 1.0)}
+        gate, drive = "a", "x"
+    if case == "overflow":  # products of 1e20 over a zero state: the state stays 0
+        ins[gate][:, :4] = 1e20
+        ins[drive][:, :4] = 0.0
+    elif case == "inf_gate_inside":  # the second step of a segment
+        ins[gate][:, 5] = INF
+    elif case == "inf_gate_first":  # the first step of a segment: the summary starts from 0
+        ins[gate][:, 4] = INF
+    elif case == "inf_gate_zero_state":  # inf * 0 in the sequential steps: NaN from there on
+        ins[gate][:, 1] = INF
+        ins[drive][:, :2] = 0.0
+    elif case == "nan_gate_zero_state":  # NaN * 0 likewise
+        ins[gate][:, 5] = float("nan")
+        ins[drive][:, :6] = 0.0
+    elif case == "inf_state":  # products of 1e-30 under an infinite state: it stays inf
+        ins[drive][:, 1] = INF
+        ins[gate][:, 2:] = 1e-30
+    return list(ins.values())
+
+
+def _assert_same(ours, ref, label):
+    """NaN exactly where ``ref`` is NaN, the same infinities, finite values close."""
+    a, r = np.array(ours, dtype=np.float64), np.array(ref, dtype=np.float64)
+    where = np.argwhere(np.isnan(a) != np.isnan(r))[:4].tolist()
+    assert not where, f"{label}: NaN differs at {where}"
+    inf_a, inf_r = np.where(np.isinf(a), a, 0), np.where(np.isinf(r), r, 0)
+    assert np.array_equal(inf_a, inf_r), f"{label}: infinities differ"
+    fin = np.isfinite(r)
+    np.testing.assert_allclose(a[fin], r[fin], rtol=1e-5, atol=1e-6, err_msg=label)
+
+
+NONFINITE = [(n, c) for n in ("rglru", "gla")
+             for c in ("overflow", "inf_gate_inside", "inf_gate_first", "inf_gate_zero_state",
+                       "nan_gate_zero_state", "inf_state")]
+# a rotation of infinite vectors is NaN in an order-dependent way (inf - inf): the cases whose
+# values stay defined
+NONFINITE += [("rotlru", "overflow"), ("rotlru", "inf_state")]
+
+
+@pytest.mark.parametrize("backend", ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)])
+@pytest.mark.parametrize("name,case", NONFINITE, ids=[f"{n}-{c}" for n, c in NONFINITE])
+def test_nonfinite_inputs_give_the_sequential_result(backend, name, case):
+    rec = rg.load_spec(name)
+    inputs = _nonfinite_case(name, case)
+    argnums = tuple(range(len(inputs)))
+
+    def run(schedule):
+        return lambda *a: rec(*a, backend=backend, schedule=schedule, seg=NONFINITE_SEG)
+
+    def grads(f):
+        return mx.grad(lambda *a: mx.sum(f(*a)), argnums=argnums)(*inputs)
+
+    chunked, sequential = run("chunked"), run("sequential")
+    y = chunked(*inputs)
+    _assert_same(y, rec.reference(*inputs), "forward against the reference")
+    _assert_same(y, sequential(*inputs), "forward against the sequential schedule")
+    if name == "rotlru" and case == "overflow":
+        return  # gradients of 1e80 mixed by rotations: inf - inf in every schedule
+    g, g_seq, g_ref = grads(chunked), grads(sequential), grads(rec.reference)
+    for label, a, s, r in zip(rec.spec.inputs, g, g_seq, g_ref):
+        _assert_same(a, r, f"gradient of {label} against the reference")
+        _assert_same(a, s, f"gradient of {label} against the sequential schedule")
+
+
+@pytest.mark.parametrize("backend", ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)])
+def test_zero_initial_state_gradient(backend):
+    """A zero state is no term of a composed map's value, but its derivative is the
+    multiplier: the gradient of a zero initial state (and of the multipliers read with it)."""
+    rec = rg.load_spec("rglru")
+    a = mx.random.uniform(0.2, 0.9, (2, 9, 3))
+    x = mx.random.normal((2, 9, 3))
+    h0 = mx.zeros((2, 3))
+    W = mx.random.normal((2, 9, 3))
+
+    def grads(f):
+        return mx.grad(lambda a, x, h: mx.sum(f(a, x, h) * W), argnums=(0, 1, 2))(a, x, h0)
+
+    ours = grads(lambda a, x, h: rec(a, x, initial_state=h, backend=backend,
+                                     schedule="chunked", seg=4))
+    ref = grads(lambda a, x, h: rec.reference(a, x, initial_state=h))
+    for label, g, r in zip(["a", "x", "initial_state"], ours, ref):
+        assert rel_err(g, r) < TOL, label

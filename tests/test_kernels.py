@@ -432,3 +432,15 @@ def test_staged_tiles_several_per_segment(backend, monkeypatch):
                                  seg=8)
     finally:
         memo.clear()
+
+
+def test_whole_simdgroup_sum_of_one_value_is_the_targets_sum():
+    """A lane-reduced gradient summed one value at a time over a whole simdgroup (no split) is
+    Metal's ``simd_sum``; CUDA spells it as its warp shuffles (the dialect table's
+    ``simd_sum``). The kernels running it: ``test_lane_reductions_in_chunks`` (LC 1)."""
+    rec = rg.load_spec("gated_deltanet")
+    metal = rec.source("backward", backend="metal")
+    cuda = rec.source("backward", backend="cuda")
+    assert "recgen_lane_scatter<1, PARTS>" in metal and "v[0] = simd_sum(v[0]);" in metal
+    assert "simd_sum(" not in cuda and "v[0] = recgen_warp_sum(v[0]);" in cuda
+    assert "__shfl_xor_sync" in cuda

@@ -13,8 +13,9 @@ Sequential schedule (one kernel per pass):
 
 Chunked schedule (three kernels per pass, ``render/chunked.py``):
 
-  summary:  inputs..., meta  ->  <state>_local..., prod<b>...
-  carry:    <state>_init..., <state>_local..., prod<b>..., meta  ->  <state>_final..., <state>_ckpt...
+  summary:  inputs..., meta  ->  <state>_local..., prod<b>..., hits<b>...
+  carry:    <state>_init..., <state>_local..., prod<b>..., hits<b>..., meta
+            ->  <state>_final..., <state>_ckpt...
   outputs:  inputs..., <state>_ckpt..., meta  ->  outputs...
   (the forward's residuals: <state>_ckpt..., prod<b>...)
   local adjoints: inputs..., <state>_ckpt..., d_<output>..., meta  ->  <state>_local...
@@ -116,11 +117,12 @@ class KernelBackend:
         local = [ids["local", t] for t in s.states]
         ckpt = [ids["ckpt", t] for t in s.states]
         prods = [ChunkedRenderer.product_buffer(b) for b in range(len(self.rec.affine.blocks))]
+        hits = [ChunkedRenderer.hits_buffer(b) for b in range(len(self.rec.affine.blocks))]
         d_outs = [ids["d", t] for t in s.outputs]
         lamend = [ids["lamend", t] for t in s.states]
         table = {
-            "summary": ([*inputs, "meta"], [*local, *prods]),
-            "carry": ([*(ids["init", t] for t in s.states), *local, *prods, "meta"],
+            "summary": ([*inputs, "meta"], [*local, *prods, *hits]),
+            "carry": ([*(ids["init", t] for t in s.states), *local, *prods, *hits, "meta"],
                       [*(ids["final", t] for t in s.states), *ckpt]),
             "outputs": ([*inputs, *ckpt, "meta"], [ids["buffer", t] for t in s.outputs]),
             "local_adjoint": ([*inputs, *ckpt, *d_outs, "meta"], local),
@@ -215,6 +217,13 @@ class KernelBackend:
         return [(segments, instances, b.size * b.size, schedule.state_size if b.pointwise else 1,
                  sizes[self.rec.spec.lane]) for b in self.rec.affine.blocks]
 
+    def _hits_shapes(self, sizes, schedule, instances):
+        """Per block, the summaries' counts of zero hits (``affine.zero_hit``): per state element
+        in a block with the state axis."""
+        segments = -(-sizes[self.rec.spec.time] // schedule.seg)
+        return [(segments, instances, 1, schedule.state_size if b.vector else 1,
+                 sizes[self.rec.spec.lane]) for b in self.rec.affine.blocks]
+
     def residual_shapes(self, sizes, seg, threads=None, split=None):
         """Shapes of the chunked forward's residuals: checkpoints, then segment products."""
         sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
@@ -304,11 +313,13 @@ class KernelBackend:
         n_state = len(spec.states)
         per_state = self._state_buffer_shapes(sizes, sch, instances)
         prods = self._product_shapes(sizes, sch, instances)
+        hit_shapes = self._hits_shapes(sizes, sch, instances)
         f32 = mx.float32
-        summary = self._run("summary", sch, sizes, meta, inputs, per_state + prods,
-                            [f32] * (n_state + len(prods)), in_dtypes)
-        local, prod = list(summary[:n_state]), list(summary[n_state:])
-        carried = self._run("carry", sch, sizes, meta, [*states, *local, *prod],
+        summary = self._run("summary", sch, sizes, meta, inputs, per_state + prods + hit_shapes,
+                            [f32] * (n_state + len(prods) + len(hit_shapes)), in_dtypes)
+        n, m = n_state, n_state + len(prods)
+        local, prod, hits = list(summary[:n]), list(summary[n:m]), list(summary[m:])
+        carried = self._run("carry", sch, sizes, meta, [*states, *local, *prod, *hits],
                             [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
                             [f32] * (2 * n_state), ", ".join(_dtype_name(x.dtype) for x in states))
         finals, ckpts = list(carried[:n_state]), list(carried[n_state:])

@@ -19,7 +19,9 @@ backward  summary   per segment: sweep ``λ`` from zero with the adjoint's ``λ`
 
 Buffers that hold one state per segment (checkpoints, local states, local and end adjoints)
 share the checkpoint layout ``[segment, instance, component, NS or 1, lane]``; the composed
-multiplier of block ``b`` is ``prod<b>`` with layout ``[segment, instance, entry, NS or 1, lane]``.
+multiplier of block ``b`` is ``prod<b>`` with layout ``[segment, instance, entry, NS or 1, lane]``,
+and its count of zero hits (``affine.zero_hit``, read by the forward carry) is ``hits<b>`` with
+layout ``[segment, instance, 1, NS or 1, lane]`` (NS rows for a block with the state axis).
 """
 
 from __future__ import annotations
@@ -57,17 +59,26 @@ class ChunkedRenderer(KernelRenderer):
         return f"prod{block}"
 
     @staticmethod
-    def _product_offset(p, entries: int) -> str:
+    def hits_buffer(block: int) -> str:
+        return f"hits{block}"
+
+    def _product_offset(self, p) -> str:
+        block = self.form.blocks[p.block]
+        if p.hits:  # its own buffer: [segment, instance, 1, NS or 1, lane]
+            n, width = ("n", "NS") if block.vector else ("0", "1")
+            return f"((s * instances + instance) * {width} + {n}) * lanes + lane"
         n, width = ("n", "NS") if p.pointwise else ("0", "1")
-        e = p.row * entries + p.col
-        return (f"(((s * instances + instance) * {entries * entries} + {e}) * {width} + {n}) "
+        entries = block.size * block.size
+        e = p.row * block.size + p.col
+        return (f"(((s * instances + instance) * {entries} + {e}) * {width} + {n}) "
                 f"* lanes + lane")
 
     def _products_ctx(self):
         return [dict(reg=self.names[("state", p.symbol)], pointwise=p.pointwise,
                      identity="1.0f" if p.row == p.col else "0.0f",
-                     buffer=self.product_buffer(p.block),
-                     offset=self._product_offset(p, self.form.blocks[p.block].size))
+                     buffer=self.hits_buffer(p.block) if p.hits else
+                     self.product_buffer(p.block),
+                     offset=self._product_offset(p))
                 for p in self.products]
 
     # -- forward -------------------------------------------------------------------------------
@@ -107,15 +118,22 @@ class ChunkedRenderer(KernelRenderer):
             tensors = [spec.states[s.tensor] for s in block.slots]  # a block may span tensors
             lines = [f"const float old_{i} = {regs[i]};" for i in range(block.size)]
             for p in self.products:
-                if p.block == b:
-                    lines.append(f"const float p_{p.row}{p.col} = {self.product_buffer(b)}"
-                                 f"[{self._product_offset(p, block.size)}];")
+                if p.block == b and not (p.hits and reverse):
+                    name = "hits" if p.hits else f"p_{p.row}{p.col}"
+                    buffer = self.hits_buffer(b) if p.hits else self.product_buffer(b)
+                    lines.append(f"const float {name} = {buffer}[{self._product_offset(p)}];")
+            if not reverse:  # from a zero start the sequential steps met inf * 0 in the segment
+                zero = " && ".join(f"old_{i} == 0.0f" for i in range(block.size))
+                lines.append(f"const bool met_inf_zero = {zero} && hits != 0.0f;")
             for i in range(block.size):
-                terms = [f"p_{j}{i} * old_{j}" if reverse else f"p_{i}{j} * old_{j}"
-                         for j in range(block.size)]
+                terms = [f"recgen_apply(p_{j}{i}, old_{j})" if reverse else
+                         f"recgen_apply(p_{i}{j}, old_{j})" for j in range(block.size)]
                 t, c = tensors[i], block.slots[i].component
                 local = f"{nm[('local', t.name)]}[{self.ckpt_offset(t, c, shares=reverse)}]"
-                lines.append(f"{regs[i]} = {' + '.join(terms)} + {local};")
+                value = f"{' + '.join(terms)} + {local}"
+                if not reverse:
+                    value = f"met_inf_zero ? {self.d.nan} : {value}"
+                lines.append(f"{regs[i]} = {value};")
             guard = "vector_ok" if block.vector else "scalar_ok"
             updates += [f"    if ({guard}) {{", *("      " + x for x in lines), "    }"]
         ctx = self._common("carry")

@@ -20,6 +20,7 @@ class Dialect:
     shared: str  # qualifier of group-shared arrays
     barrier: str  # group-wide barrier on shared memory
     simd_shuffle_xor: str  # (value, lane mask): the value of lane ``simd_lane ^ mask``
+    simd_sum: str  # (value): its sum over the whole simdgroup / warp, in every lane
     function: str  # qualifier of helper functions
     unroll: str  # a pragma that fully unrolls the loop it precedes
     private: str  # address space (with its space) of a pointer to a thread's own array
@@ -37,7 +38,8 @@ _COMMON_MATH = {
     "exp": "exp", "log": "log", "tanh": "tanh", "sin": "sin", "cos": "cos", "tan": "tan",
     "cosh": "cosh", "sinh": "sinh", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
     "abs": "abs", "sign": "sign", "log1p": "recgen_log1p", "sigmoid": "recgen_sigmoid",
-    "softplus": "recgen_softplus", "max": "max",
+    "softplus": "recgen_softplus", "max": "max", "scale": "recgen_scale",
+    "compose": "recgen_compose", "zero_hit": "recgen_zero_hit",
 }
 
 METAL = Dialect(
@@ -49,6 +51,7 @@ METAL = Dialect(
     shared="threadgroup",
     barrier="threadgroup_barrier(mem_flags::mem_threadgroup)",
     simd_shuffle_xor="simd_shuffle_xor",
+    simd_sum="simd_sum",  # one reduction instruction, no shuffle levels
     function="inline",
     unroll="#pragma clang loop unroll(full)",
     private="thread ",
@@ -75,6 +78,7 @@ CUDA = Dialect(
     shared="__shared__",
     barrier="__syncthreads()",
     simd_shuffle_xor="recgen_shuffle_xor",
+    simd_sum="recgen_warp_sum",
     function="__device__ inline",
     unroll="#pragma unroll",
     private="",
@@ -88,11 +92,19 @@ CUDA = Dialect(
     max_threads=256,
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
-          "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus"},
+          "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus",
+          "scale": "recgen_scale", "compose": "recgen_compose", "zero_hit": "recgen_zero_hit"},
     prelude="""\
 // Every lane of the warp takes part (full mask): padded lanes contribute zeros.
 __device__ inline float recgen_shuffle_xor(float x, int mask) {
   return __shfl_xor_sync(0xffffffffu, x, mask);
+}
+// CUDA has no warp sum of a float: a butterfly of shuffles, the sum left in every lane.
+__device__ inline float recgen_warp_sum(float x) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
 }
 __device__ inline float recgen_sign(float x) {
   return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);

@@ -15,6 +15,7 @@ import struct
 import sympy
 from sympy.codegen.cfunctions import log1p
 
+from ..affine import compose, scale, zero_hit
 from ..functions import sigmoid, softplus
 
 ATOM, MUL, ADD = 3, 2, 1  # binding strength of what a printed piece is
@@ -24,6 +25,8 @@ FUNCTION_NAMES = {
     sympy.exp: "exp", sympy.log: "log", log1p: "log1p", sympy.tanh: "tanh", sympy.sin: "sin",
     sympy.cos: "cos", sympy.tan: "tan", sympy.cosh: "cosh", sympy.sinh: "sinh",
     sympy.Abs: "abs", sympy.sign: "sign", sigmoid: "sigmoid", softplus: "softplus",
+    # the chunked schedule's products (``affine``)
+    scale: "scale", compose: "compose", zero_hit: "zero_hit",
 }
 
 _RELATIONS = {sympy.StrictGreaterThan: ">", sympy.GreaterThan: ">=", sympy.StrictLessThan: "<",
