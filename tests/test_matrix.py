@@ -256,3 +256,10 @@ def test_forward_mode_and_second_order():
     g2 = lambda sch: mx.grad(lambda d: mx.sum(mx.grad(  # noqa: E731
         lambda d: mx.sum(f(sch)(u, d, *rest) * w))(d) ** 2))(delta)
     assert rel_err(g2("matrix"), g2("sequential")) < 1e-4
+    # forward over reverse (a Hessian-vector product), through a sign carried at run time
+    gla = rg.load_spec("gla")
+    q, k, v = (mx.random.normal((1, 9, 2, 3)) for _ in range(3))
+    g = mx.random.uniform(-1.0, 1.0, (1, 9, 2))
+    hvp = lambda sch: mx.jvp(lambda g: mx.grad(lambda g: mx.sum(gla(  # noqa: E731
+        q, k, v, g, backend="mlx", schedule=sch, seg=4) ** 2))(g), [g], [mx.ones_like(g)])[1][0]
+    assert rel_err(hvp("matrix"), hvp("sequential")) < 1e-4

@@ -105,6 +105,13 @@ def _between(log_d):
     return mx.where(mask, mx.exp(mx.where(mask, sums, -mx.inf)), 0.0)
 
 
+def _parity(sign, axis):
+    """The running product of ``±1`` along ``axis``, from the count of ``-1``s (MLX has no
+    forward-mode derivative of ``cumprod``; a sign has no derivative anyway)."""
+    flips = mx.cumsum(mx.stop_gradient(sign) < 0, axis=axis).astype(mx.float32)
+    return 1.0 - 2.0 * mx.remainder(flips, 2.0)
+
+
 def _carry(S0, whole, sign, U):
     """The states at every chunk's start and after the last chunk, from the initial state
     ``S0`` ``(*batch, K, V)``, each chunk's ``log |decay|`` ``whole`` ``(*batch, nc, 1 or K)``
@@ -118,7 +125,7 @@ def _carry(S0, whole, sign, U):
     total = mx.exp(mx.sum(whole, axis=-2))
     if sign is not None:  # sign(d(c'+1..c-1)) = parity(..c-1) parity(..c')
         sign = sign[..., 0, :]
-        parity = mx.cumprod(sign, axis=-2)
+        parity = _parity(sign, axis=-2)
         parity_ex = parity * sign
         U = U * parity[..., :, :, None]
         before, after = before * parity_ex, after * parity[..., -1:, :]
@@ -209,14 +216,15 @@ class MatrixForm(SequentialForm):
             x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
             st = self.form.states[s] if s is not None else None
             if what in ("a", "c") or (what in ("log_decay", "decay") and st.vector_decay):
-                shape, take = (*batch, T, 1, K), (0, slice(None))  # over the state axis
+                shape, drop = (*batch, T, 1, K), -2  # over the state axis
             elif what in ("b", "rest"):
                 lanes = V if st is None or st.has_lane else 1  # a shared state: one "lane"
-                shape, take = (*batch, T, lanes, 1), (slice(None), 0)  # over the lanes
+                shape, drop = (*batch, T, lanes, 1), -1  # over the lanes
             else:
-                shape, take = (*batch, T, 1, 1), (0, slice(None))  # one per step
+                shape, drop = (*batch, T, 1, 1), -2  # one per step
             x = mx.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
-            out[(what, s, i, r)] = x if what == "rest" else x[(Ellipsis, *take)]
+            # a squeeze, not an index: MLX has no forward-mode derivative of an index's VJP
+            out[(what, s, i, r)] = x if what == "rest" else mx.squeeze(x, axis=drop)
         return out
 
     # -- one call --------------------------------------------------------------------------------
@@ -253,7 +261,7 @@ class MatrixForm(SequentialForm):
             sign_ex = sign_end = None
             if not st.positive:
                 sg = chunks.cut(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0), 1.0)
-                sign = mx.cumprod(sg, axis=-2)
+                sign = _parity(sg, axis=-2)
                 sign_ex, sign_end = sign * sg, sign[..., -1:, :]
                 terms = [(a * sign, b) for a, b in terms]
             # the chunk's end state from its own inputs, and its decay over the whole chunk
@@ -306,7 +314,7 @@ class MatrixForm(SequentialForm):
     def _state(self, states, st, sizes):
         """The initial state of ``st`` as ``(*batch, K, V)`` (``V = 1`` for a shared state)."""
         spec = self.rec.spec
-        init = self._initial(states, [st.symbol], sizes)[st.symbol][0]  # (*batch, V, K)
+        init = mx.squeeze(self._initial(states, [st.symbol], sizes)[st.symbol], 0)  # (*batch, V, K)
         return mx.swapaxes(init, -1, -2)
 
     def _block(self, values, T, sizes):

@@ -256,7 +256,7 @@ class SequentialForm:
         by_slot = {}
         for s in symbols:
             slot = self.table.key[self.table.state_of.get(s, s)][1]
-            v = carry[s][0]
+            v = mx.squeeze(carry[s], 0)  # not carry[s][0]: its VJP has no forward-mode rule
             if not spec.states[slot[0]].has_lane and v.shape[lane_axis] != 1:
                 v = mx.sum(v, axis=lane_axis, keepdims=True)
             by_slot[slot] = v
