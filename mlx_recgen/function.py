@@ -312,7 +312,7 @@ class Recurrence:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend not in self._backends:
             if backend == "mlx":
-                from .backends.mlx_ops import MLXBackend
+                from .backends.mlx_backend import MLXBackend
 
                 self._backends[backend] = MLXBackend(self)
             else:

@@ -8,7 +8,7 @@ import pytest
 
 import mlx_recgen as rg
 from mlx_recgen import cli
-from mlx_recgen.backends.mlx_ops import MLXBackend
+from mlx_recgen.backends.mlx_backend import MLXBackend
 from mlx_recgen.render.expr import MLXPrinter
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, abs as rg_abs, maximum, sigmoid, tanh, where
-from mlx_recgen.backends.mlx_ops import MLXBackend
+from mlx_recgen.backends.mlx_backend import MLXBackend
 from mlx_recgen.sim import SimulatorTransformError
 from conftest import KERNEL_BACKENDS, rel_err
 from references import INPUTS

@@ -36,7 +36,7 @@ from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..matrix import MatrixForm
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
-from .mlx_ops import SequentialForm
+from .mlx_ops import SequentialForm, _Block
 
 LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
 SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
@@ -318,8 +318,6 @@ class MatrixForm(SequentialForm):
         return mx.swapaxes(init, -1, -2)
 
     def _block(self, values, T, sizes):
-        from .mlx_ops import _Block
-
         return _Block(values, T, self._ones(sizes))
 
     def _results(self, outs, finals, out_dtype, sizes):
@@ -366,21 +364,34 @@ class MatrixForm(SequentialForm):
         n_out = len(self.rec.spec.outputs)
         return [y.astype(out_dtype) for y in results[:n_out]], list(results[n_out:]), []
 
+    def _gradients(self, sizes, seg):
+        """``(inputs, states, cotangents) -> (input gradients, initial-state gradients)``: MLX's
+        VJP of the whole computation, compiled with it on a GPU (as ``_compiled``)."""
+        spec = self.rec.spec
+        n_in, n_state = len(spec.inputs), len(spec.states)
+        diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
+        key = ("vjp", tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu)
+        if key not in self._compiled_calls:
+            def vjp(*arrays):
+                inputs, states = list(arrays[:n_in]), list(arrays[n_in:n_in + n_state])
+
+                def f(*primals):
+                    xs = list(inputs)
+                    for i, x in zip(diff, primals[:len(diff)]):
+                        xs[i] = x
+                    return self._call_declared(key[1], seg, *xs, *primals[len(diff):])
+
+                primals = [inputs[i] for i in diff] + states
+                return tuple(mx.vjp(f, primals, list(arrays[n_in + n_state:]))[1])
+
+            self._compiled_calls[key] = mx.compile(vjp) if key[3] else vjp
+        return self._compiled_calls[key], diff
+
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
                  d_residuals=None):
-        spec = self.rec.spec
-        diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
-        call = self._compiled(sizes, seg)
-
-        def f(*arrays):
-            xs = list(inputs)
-            for i, x in zip(diff, arrays[:len(diff)]):
-                xs[i] = x
-            return call(*xs, *arrays[len(diff):])
-
-        primals = [inputs[i] for i in diff] + list(states)
+        vjp, diff = self._gradients(sizes, seg)
         cotangents = [d.astype(mx.float32) for d in (*d_outputs, *d_finals)]
-        _, vjps = mx.vjp(f, primals, cotangents)
+        vjps = vjp(*inputs, *states, *cotangents)
         grads = [g.astype(inputs[i].dtype) for i, g in zip(diff, vjps[:len(diff)])]
         d_init = [g.astype(x.dtype) for g, x in zip(vjps[len(diff):], states)]
         return grads, d_init

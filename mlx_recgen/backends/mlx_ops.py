@@ -6,8 +6,9 @@ steps; backward walks the segments newest to oldest, recomputes the segment's st
 checkpoint with the forward's own functions (so they are bit-identical), then sweeps the derived
 adjoint over the segment.
 
-How the time loop is computed is a *form*; ``MLXBackend.form`` is the one place where the form
-of a call is chosen, from the schedule that ``schedule.choose`` picked. Two forms:
+How the time loop is computed is a *form*; ``MLXBackend.form`` (``mlx_backend.py``) is the one
+place where the form of a call is chosen, from the schedule that ``schedule.choose`` picked.
+This module holds the plumbing the forms share and the first form; three forms:
 
 * ``SequentialForm``, for any spec. Each step program is split (``phases.split``) around its
   carry (the state forward, ``λ`` backward): only the carry chain runs step by step, with as few
@@ -18,6 +19,8 @@ of a call is chosen, from the schedule that ``schedule.choose`` picked. Two form
 * ``ChunkedForm`` (``mlx_chunked.py``), for state-affine specs (``schedule="chunked"``): within
   a segment the states of all steps come from an associative scan of the per-step affine maps
   in ``log2(seg)`` rounds of MLX ops; the backward differentiates that scan per segment.
+* ``MatrixForm`` (``mlx_matrix.py``), for specs of the matrix form (``schedule="matrix"``):
+  chunkwise matrix products (``matrix.analyse``), differentiated by MLX.
 
 Group axes are expanded (``layout.expand_groups``) and their gradients summed back over the
 group; bool and integer inputs are read as fp32 and get no gradient (``backward`` returns the
@@ -402,54 +405,3 @@ class SequentialForm:
             grads[(slot.tensor, slot.component)] = sum_to(g, (block.steps, *shape) if t.has_time
                                                           else shape)
         return lam, grads
-
-
-class MLXBackend:
-    name = "mlx"
-
-    def __init__(self, rec):
-        self.rec = rec
-        self.table = _Symbols(rec)
-        # the whole steps, for inspection (``rec.source(..., backend="mlx")``) and the reference
-        self.forward_step = render_mlx(rec.forward_program, "forward_step")
-        self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
-        self.sequential = SequentialForm(rec, self.table)
-        self._chunked = None
-        self._matrix = None
-
-    @property
-    def origin(self) -> dict:
-        """symbol -> (kind, (tensor, component)): what each step argument is."""
-        return self.table.key
-
-    @property
-    def chunked(self):
-        """The chunked form (built on first use; state-affine specs only)."""
-        if self._chunked is None:
-            from .mlx_chunked import ChunkedForm
-
-            self._chunked = ChunkedForm(self.rec, self.table)
-        return self._chunked
-
-    @property
-    def matrix(self):
-        """The matrix form (built on first use; specs with the matrix form only)."""
-        if self._matrix is None:
-            from .mlx_matrix import MatrixForm
-
-            self._matrix = MatrixForm(self.rec, self.table, self.rec.matrix)
-        return self._matrix
-
-    def form(self, sizes, schedule="sequential"):
-        """The form that computes a call of these sizes under the schedule ``schedule.choose``
-        picked: the one place where it is chosen."""
-        return {"chunked": self.chunked, "matrix": self.matrix}.get(schedule, self.sequential) \
-            if schedule != "sequential" else self.sequential
-
-    def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
-        return self.form(sizes, schedule).forward(inputs, states, sizes, seg, out_dtype)
-
-    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
-                 d_residuals=None, schedule="sequential"):
-        return self.form(sizes, schedule).backward(inputs, states, residuals, d_outputs, d_finals,
-                                                   sizes, seg, d_residuals=d_residuals)

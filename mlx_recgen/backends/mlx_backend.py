@@ -1,0 +1,61 @@
+"""The pure-MLX backend: its forms (``mlx_ops.SequentialForm``, ``mlx_chunked.ChunkedForm``,
+``mlx_matrix.MatrixForm``) under one object, and ``MLXBackend.form``, the one place where the
+form of a call is chosen. The forms import their shared plumbing from ``mlx_ops``; nothing
+imports this module back."""
+
+from __future__ import annotations
+
+from ..render.mlx_ops import render_mlx
+from .mlx_chunked import ChunkedForm
+from .mlx_matrix import MatrixForm
+from .mlx_ops import SequentialForm, _Symbols
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def __init__(self, rec):
+        self.rec = rec
+        self.table = _Symbols(rec)
+        # the whole steps, for inspection (``rec.source(..., backend="mlx")``) and the reference
+        self.forward_step = render_mlx(rec.forward_program, "forward_step")
+        self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
+        self.sequential = SequentialForm(rec, self.table)
+        self._chunked = None
+        self._matrix = None
+
+    @property
+    def origin(self) -> dict:
+        """symbol -> (kind, (tensor, component)): what each step argument is."""
+        return self.table.key
+
+    @property
+    def chunked(self):
+        """The chunked form (built on first use; state-affine specs only)."""
+        if self._chunked is None:
+            self._chunked = ChunkedForm(self.rec, self.table)
+        return self._chunked
+
+    @property
+    def matrix(self):
+        """The matrix form (built on first use; specs with the matrix form only)."""
+        if self._matrix is None:
+            self._matrix = MatrixForm(self.rec, self.table, self.rec.matrix)
+        return self._matrix
+
+    def form(self, sizes, schedule="sequential"):
+        """The form that computes a call of these sizes under the schedule ``schedule.choose``
+        picked: the one place where it is chosen."""
+        if schedule == "chunked":
+            return self.chunked
+        if schedule == "matrix":
+            return self.matrix
+        return self.sequential
+
+    def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
+        return self.form(sizes, schedule).forward(inputs, states, sizes, seg, out_dtype)
+
+    def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                 d_residuals=None, schedule="sequential"):
+        return self.form(sizes, schedule).backward(inputs, states, residuals, d_outputs, d_finals,
+                                                   sizes, seg, d_residuals=d_residuals)
