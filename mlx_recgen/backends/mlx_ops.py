@@ -32,12 +32,14 @@ any transform runs each forward segment as compiled calls of at most ``unroll`` 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..layout import (canonical_shape, expand_groups, expanded, from_time_major, sum_groups,
                       sum_to, to_time_major)
+from ..memo import LRU
 from ..phases import Phases, split
 from ..render.mlx_ops import MLXStep, render_mlx
 
@@ -104,6 +106,18 @@ def _split_steps(x, steps: int, rank: int) -> list:
     return [x] if steps == 1 else [x[j:j + 1] for j in range(steps)]
 
 
+def _power_runs(start: int, stop: int, longest: int):
+    """``[lo, hi)`` runs covering ``[start, stop)``, each a power of two of steps, at most
+    ``longest`` (a power of two), longest first. A compiled forward block is traced once per
+    length: runs of power-of-two lengths leave ``log2(longest) + 1`` traces per shape of the
+    other axes, whatever the lengths of the calls."""
+    lo = start
+    while lo < stop:
+        hi = lo + min(longest, 1 << ((stop - lo).bit_length() - 1))
+        yield lo, hi
+        lo = hi
+
+
 def _fit(x, shape) -> mx.array:
     x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
     return x if tuple(x.shape) == tuple(shape) else mx.broadcast_to(x, shape)
@@ -140,6 +154,10 @@ def _write(buffer, block, start: int, length: int):
     return mx.slice_update(buffer, block, mx.array([start]), axes=(0,))
 
 
+# The compiled forward blocks a form keeps: one per shape of the axes other than time.
+COMPILED_SIZES = 16
+
+
 class SequentialForm:
     """Step by step within a segment; per segment, the ``pre`` and ``post`` phases batched."""
 
@@ -154,7 +172,9 @@ class SequentialForm:
         self.forward_chain = self._chain(fwd, "forward", spec.symbols, reverse=False)
         self.backward_chain = self._chain(bwd, "backward", rec.adjoint.state_cotangents,
                                           reverse=True)
-        self._compiled_block = mx.compile(self._forward_block_arrays)
+        # compiled forward blocks by the call's sizes less the time axis: one compiled function
+        # per shape of the other axes, its traces one per block length (at most ``unroll``)
+        self._compiled_blocks = LRU(COMPILED_SIZES)
 
     @staticmethod
     def _chain(phases, name, symbol_of_slot, reverse) -> _Chain:
@@ -256,7 +276,7 @@ class SequentialForm:
         by_slot = {}
         for s in symbols:
             slot = self.table.key[self.table.state_of.get(s, s)][1]
-            v = carry[s][0]
+            v = mx.squeeze(carry[s], axis=0)  # not [0]: a gather, whose vjp has no jvp
             if not spec.states[slot[0]].has_lane and v.shape[lane_axis] != 1:
                 v = mx.sum(v, axis=lane_axis, keepdims=True)
             by_slot[slot] = v
@@ -306,15 +326,18 @@ class SequentialForm:
         L = sizes[spec.time]
         values = self._time_major(spec.inputs.values(), inputs, sizes)
         keys = tuple(values)
-        frozen_sizes = tuple(sorted(sizes.items()))
+        # the block's sizes but the time axis: a new length reuses the compiled function
+        frozen_sizes = tuple(sorted((a, n) for a, n in sizes.items() if a != spec.time))
+        compiled = self._compiled_blocks.get_or_build(
+            (keys, frozen_sizes), lambda: mx.compile(self._forward_block_arrays))
         carry = self._initial(states, table.states, sizes)
         n_out = len(self.forward_chain.post.results)
         checkpoints, buffers = [], [None] * n_out
         for start in range(0, L, seg):
             checkpoints.append(carry)
-            for lo in range(start, min(L, start + seg), self.unroll):
-                block = self._slice(values, lo, min(L, start + seg, lo + self.unroll), None)
-                res = self._compiled_block(keys, frozen_sizes, *(carry[s] for s in table.states),
+            for lo, hi in _power_runs(start, min(L, start + seg), self.unroll):
+                block = self._slice(values, lo, hi, None)
+                res = compiled(keys, frozen_sizes, *(carry[s] for s in table.states),
                                            *(block.values[k] for k in keys))
                 buffers = [_write(b, y, lo, L) for b, y in zip(buffers, res[:n_out])]
                 carry = _after(dict(zip(table.states, res[n_out:])), res[:n_out])
@@ -324,14 +347,19 @@ class SequentialForm:
         """(outputs, final states, residuals) of a forward: the output buffers (time-major, in
         the order of the forward's ``post`` stores) in their declared layouts, and the
         checkpoints stacked per state."""
-        spec, table = self.rec.spec, self.table
+        table = self.table
+        residuals = [_concat([c[s] for c in checkpoints]) for s in table.states]
         parts = {(slot.tensor, slot.component): b
                  for (_, slot), b in zip(self.forward_chain.post.results, buffers)}
-        outputs = [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
-                                   reduce_missing=False).astype(out_dtype)
-                   for t in spec.outputs.values()]
-        residuals = [_concat([c[s] for c in checkpoints]) for s in table.states]
-        return outputs, self._declared(carry, table.states), residuals
+        return self._outputs(parts, out_dtype), self._declared(carry, table.states), residuals
+
+    def _outputs(self, parts: dict, out_dtype) -> list:
+        """The outputs in their declared layouts, from time-major parts by (tensor,
+        component)."""
+        spec = self.rec.spec
+        return [from_time_major(spec, t, [parts[(t.name, c)] for c in range(t.components)],
+                                reduce_missing=False).astype(out_dtype)
+                for t in spec.outputs.values()]
 
     # -- backward ------------------------------------------------------------------------------
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
@@ -445,6 +473,44 @@ class MLXBackend:
         picked: the one place where it is chosen."""
         return {"chunked": self.chunked, "matrix": self.matrix}.get(schedule, self.sequential) \
             if schedule != "sequential" else self.sequential
+
+    # -- the decode path -------------------------------------------------------------------------
+    def decoder(self, sizes, out_dtype):
+        """The decode path of calls of these sizes (a few steps, see ``function.CallPlan``):
+        ``decoder(*inputs, *initial states) -> (*outputs, *final states)``, the whole step
+        (``forward_step``: state update and outputs in one pass) once per step as plain MLX ops
+        in one ``mx.compile``d function; no checkpoints. MLX's own autodiff differentiates it
+        (a few steps' states are cheap to keep); inside a larger ``mx.compile`` it is inlined.
+        The compiled function, and its trace, live as long as the plan that holds it."""
+        return functools.partial(self._decode, tuple(sorted(sizes.items())), out_dtype)
+
+    def _decode(self, sizes, out_dtype, *arrays):
+        form, spec, table = self.sequential, self.rec.spec, self.table
+        sizes, step = dict(sizes), self.forward_step
+        n_in, steps = len(spec.inputs), sizes[spec.time]
+        # bool and integer inputs are read as fp32: no gradient flows back to them
+        inputs = [x if t.differentiable else mx.stop_gradient(x)
+                  for t, x in zip(spec.inputs.values(), arrays[:n_in])]
+        values = form._time_major(spec.inputs.values(), inputs, sizes)
+        carry = form._initial(arrays[n_in:], table.states, sizes)
+        shapes = {s: carry[s].shape for s in table.states}
+        ones = [form._ones(sizes)] if step.needs_state_ones else []
+        timed = {k for k in values if spec.inputs[k[0]].has_time}
+        parts = {}
+        for j in range(steps):
+            args = [carry[sym] if sym in carry else
+                    values[table.key[sym][1]][j:j + 1] if table.key[sym][1] in timed else
+                    values[table.key[sym][1]] for sym in step.args]
+            for (kind, slot), x in zip(step.results, step.fn(*ones, *args)):
+                if kind == "state":
+                    sym = spec.symbols[slot]
+                    carry[sym] = _fit(x, shapes[sym])
+                else:
+                    shape = (1, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
+                                                 with_time=False))
+                    parts.setdefault((slot.tensor, slot.component), []).append(_fit(x, shape))
+        parts = {k: _concat(v) for k, v in parts.items()}
+        return (*form._outputs(parts, out_dtype), *form._declared(carry, table.states))
 
     def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
         return self.form(sizes, schedule).forward(inputs, states, sizes, seg, out_dtype)
