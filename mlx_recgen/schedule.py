@@ -236,7 +236,15 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     if seg is None:
         seg = (SEQUENTIAL_SEG if kind != "chunked" else chunk_length(spec, sizes) if kernels
                else mlx_chunk_length(spec, sizes))
-    return kind, min(seg, L)
+    return kind, min(seg, length_bucket(L))
+
+
+def length_bucket(L: int) -> int:
+    """The segment a sequence of ``L`` steps shorter than its segment gets: the smallest power
+    of two at least ``L``. The kernels take ``SEG`` as a template constant and stop at the
+    runtime ``L`` (``meta``), so short calls of any length share the kernels of ``log2``
+    buckets rather than compiling a kernel per length."""
+    return 1 << (L - 1).bit_length()
 
 
 def _lane_width(spec: Spec, sizes: dict) -> int:
