@@ -209,7 +209,7 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     (``mlx_time_parallel_pays``); else ``sequential``. ``chunked`` on a recurrence
     that is not state-affine, and ``matrix`` on one without the matrix form
     (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
-    interval, which is also the chunk length) is chosen when not given."""
+    interval, which is also the chunk length) is chosen when not given; it may exceed ``L``."""
     spec = rec.spec
     if requested not in SCHEDULES:
         raise ValueError(f"{spec.name}(): schedule must be one of {SCHEDULES}, got {requested!r}")
@@ -236,15 +236,11 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     if seg is None:
         seg = (SEQUENTIAL_SEG if kind != "chunked" else chunk_length(spec, sizes) if kernels
                else mlx_chunk_length(spec, sizes))
-    return kind, min(seg, length_bucket(L))
-
-
-def length_bucket(L: int) -> int:
-    """The segment a sequence of ``L`` steps shorter than its segment gets: the smallest power
-    of two at least ``L``. The kernels take ``SEG`` as a template constant and stop at the
-    runtime ``L`` (``meta``), so short calls of any length share the kernels of ``log2``
-    buckets rather than compiling a kernel per length."""
-    return 1 << (L - 1).bit_length()
+    # Not clipped to L: a call shorter than its segment runs one segment with the kernels of
+    # that segment length (they take SEG as a template constant and stop at the runtime L in
+    # ``meta``), so short calls of any length share one set of kernels instead of compiling a
+    # kernel per length.
+    return kind, seg
 
 
 def _lane_width(spec: Spec, sizes: dict) -> int:
