@@ -34,9 +34,10 @@ import sympy
 from ..ir import Accumulate, Loop, Program, Store
 from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..matrix import MatrixForm
+from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
-from .mlx_ops import SequentialForm
+from .mlx_ops import COMPILED_SIZES, SequentialForm
 
 LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
 SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
@@ -180,7 +181,7 @@ class MatrixForm(SequentialForm):
         self.post = render_mlx(_program(ir, list(ir.outputs.values()), given=frozenset(readout_of),
                                         slots=list(ir.outputs)), "matrix_outputs")
         self.readout_symbols = readout_of
-        self._compiled_calls = {}
+        self._compiled_calls = LRU(COMPILED_SIZES)  # bounded: a trace per shape is kept
 
     # -- the factors of every step ---------------------------------------------------------------
     def _batch_major(self, inputs, sizes) -> dict:
@@ -345,10 +346,8 @@ class MatrixForm(SequentialForm):
     def _compiled(self, sizes, seg):
         """The computation compiled for these sizes (MLX fuses its elementwise chains)."""
         key = (tuple(sorted(sizes.items())), seg)
-        if key not in self._compiled_calls:
-            self._compiled_calls[key] = mx.compile(functools.partial(self._call_declared, key[0],
-                                                                     seg))
-        return self._compiled_calls[key]
+        return self._compiled_calls.get_or_build(key, lambda: mx.compile(
+            functools.partial(self._call_declared, key[0], seg)))
 
     def forward(self, inputs, states, sizes, seg, out_dtype):
         results = self._compiled(sizes, seg)(*inputs, *states)
