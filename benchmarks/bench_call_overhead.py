@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.metadata
+import os
 import platform
 import statistics
 import sys
@@ -36,7 +38,22 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx_recgen as rg  # noqa: E402
-from mlx_recgen.function import Recurrence  # noqa: E402
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _version(package) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _resident_mb() -> float:
@@ -128,27 +145,36 @@ def decode_step(repeats):
     return best, error
 
 
-def growth(lengths=200):
+def growth_in_this_process(cache: str, lengths=200):
+    """(RSS growth MB, MLX cache MB) over ``lengths`` distinct lengths after 20 others."""
+    if cache == "off":
+        mx.set_cache_limit(0)
+    rec = rg.load_spec("rglru")
+
+    def run(L):
+        a, x = mx.random.uniform(-1, 1, (2, L, 64)), mx.random.normal((2, L, 64))
+        mx.eval(rec(a, x, backend="mlx"))
+
+    for L in range(1000, 1020):
+        run(L)
+    gc.collect()
+    before = _resident_mb()
+    for L in range(1, lengths + 1):
+        run(L)
+    gc.collect()
+    return _resident_mb() - before, mx.get_cache_memory() / 1e6
+
+
+def growth():
+    """``growth_in_this_process`` in a fresh process per setting of MLX's buffer cache (memory
+    freed by an earlier measurement would be reused by the next)."""
+    import subprocess
+
     out = {}
     for cache in ("on", "off"):
-        limit = mx.set_cache_limit(0) if cache == "off" else None
-        rec = Recurrence(rg.load_spec("rglru").spec)
-
-        def run(L):
-            a, x = mx.random.uniform(-1, 1, (2, L, 64)), mx.random.normal((2, L, 64))
-            mx.eval(rec(a, x, backend="mlx"))
-
-        for L in range(1000, 1020):
-            run(L)
-        gc.collect()
-        before = _resident_mb()
-        for L in range(1, lengths + 1):
-            run(L)
-        gc.collect()
-        out[cache] = (_resident_mb() - before, mx.get_cache_memory() / 1e6)
-        if limit is not None:
-            mx.set_cache_limit(limit)
-        mx.clear_cache()
+        text = subprocess.run([sys.executable, __file__, "--growth", cache], check=True,
+                              capture_output=True, text=True).stdout
+        out[cache] = tuple(float(v) for v in text.split())
     return out
 
 
@@ -199,12 +225,16 @@ def main():
     p.add_argument("--sim", action="store_true", help="count Metal-simulator kernel compiles")
     p.add_argument("--mlx-lm", action="store_true", help="tokens/s of a tiny Qwen3-Next")
     p.add_argument("--out", help="write a Markdown report here")
+    p.add_argument("--growth", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.growth:  # one measurement, in the process growth() started
+        print(*growth_in_this_process(args.growth))
+        return
     mx.random.seed(0)
     lines = [f"# Call overhead ({datetime.date.today()})", "",
-             f"Device: {platform.processor() or platform.machine()}, "
-             f"{mx.default_device()}; Python {platform.python_version()}, mlx {mx.__version__}, "
-             f"{platform.system()} {platform.release()}.", ""]
+             f"Device: {_cpu_name()}, {os.cpu_count()} cores, MLX {mx.default_device()}; "
+             f"Python {platform.python_version()}, mlx {mx.__version__}, "
+             f"mlx-lm {_version('mlx_lm')}, {platform.system()} {platform.release()}.", ""]
 
     g = growth()  # first: MLX's buffer cache starts empty
     lines += ["## Resident growth over 200 distinct lengths (RG-LRU forward, B2 D64, mlx)", "",
