@@ -1,4 +1,8 @@
-"""Compiled recurrences: argument checking, backend choice and the ``mx.custom_function`` glue.
+"""Compiled recurrences: argument checking, call plans and the ``mx.custom_function`` glue.
+
+A call is check (``Recurrence.check``), plan (``Recurrence.plan_for``: the ``CallPlan`` decided
+once per shapes, dtypes, options and device, from a bounded cache), run (``CallPlan.run``);
+see ``docs/calls.md``.
 
 The glue is the same for every backend: a backend provides ``forward`` (outputs, final states
 and segment checkpoints) and ``backward`` (input and initial-state gradients from the
@@ -461,7 +465,10 @@ class Recurrence:
         key = (tuple(x.dtype for x in call.inputs), tuple(call.sizes.items()), call.out_dtype,
                backend, schedule, seg, tuple(call.options.items()),
                str(mx.default_device()))  # a Device hashes by identity, its text by value
-        plan = self._plans.get(key)
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable option: planning it raises the error that names it
+            return self._make_plan(call, backend, seg, schedule)
         if plan is None:
             plan = self._plans[key] = self._make_plan(call, backend, seg, schedule)
         else:

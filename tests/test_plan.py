@@ -75,6 +75,9 @@ def test_errors_are_not_planned():
         rec(a, x, backend="mlx", threads=64)
     with pytest.raises(ValueError, match=r"rglru\(\): seg must be a positive integer"):
         rec.plan(a, x, backend="mlx", seg=0)
+    # an unhashable option still meets the check that names it
+    with pytest.raises(ValueError, match=r"rglru\(\): schedule must be one of .*got \['x'\]"):
+        rec(a, x, backend="mlx", schedule=["x"])
     assert len(rec._plans) == 0
 
 
