@@ -123,23 +123,25 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
         raise TypeError(f"{rec.name}(): group must be an mx.distributed.Group (from "
                         f"mx.distributed.init()), got {type(group).__name__}")
     try:
-        twin, impl, seg, sizes, out_dtype, options, inputs, states = rec._prepare(
-            args, kwargs, initial_state, backend, seg, schedule)
+        call = rec.check(*args, initial_state=initial_state, **kwargs)
+        plan = rec.plan_for(call, backend=backend, seg=seg, schedule=schedule)
     except Exception:
         _exchange_headers(rec, group, None)  # the other ranks raise too, instead of hanging
         raise
+    sizes = dict(plan.sizes)
     _check_chunks(rec, group, sizes)
     checked = _LAST[_key(group)]
     build = _affine_function if rec.time_parallel else _pipeline_function
-    # the twin without gradients for bool and integer inputs, when the call has some
-    fn = build(twin, group, impl, seg, sizes, out_dtype, options, _Rules(group, checked))
+    # the plan's recurrence: the twin without gradients for bool and integer inputs, when the
+    # call has some
+    fn = build(plan, group, _Rules(group, checked))
     try:
-        results = fn(*inputs, *states)
+        results = fn(*call.inputs, *call.states)
     except Exception:  # its collectives are abandoned (alike on every rank): do not chain them
         _LAST[_key(group)] = checked
         raise
     n_out, n_state = len(rec.spec.outputs), len(rec.spec.states)
-    return rec._package(results[:n_out], results[n_out:n_out + n_state], return_state)
+    return plan.package(results[:n_out], results[n_out:n_out + n_state], return_state)
 
 
 def _other_axes(spec):
@@ -667,7 +669,9 @@ class _Rules:
         return fn
 
 
-def _affine_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
+def _affine_function(plan, group, rules):
+    rec, impl, seg, out_dtype = plan.recurrence, plan.backend, plan.seg, plan.out_dtype
+    sizes, options = dict(plan.sizes), dict(plan.options)
     spec, form = rec.spec, rec.affine
     n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
     rank, size = group.rank(), group.size()
@@ -749,11 +753,12 @@ def _with_backward(forward, backward, rules, n_out, n_state):
     return rules.forward(forward)
 
 
-def _pipeline_function(rec, group, impl, seg, sizes, out_dtype, options, rules):
-    spec = rec.spec
+def _pipeline_function(plan, group, rules):
+    impl, seg, sizes, options = plan.backend, plan.seg, dict(plan.sizes), dict(plan.options)
+    spec = plan.recurrence.spec
     n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
     rank, size = group.rank(), group.size()
-    inner = rec._function(impl, seg, sizes, out_dtype, options)
+    inner = plan.function  # the full path: its checkpoints are the backward's residuals
     states = _States(spec, sizes)
 
     def flat(declared):

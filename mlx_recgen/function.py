@@ -1,4 +1,8 @@
-"""Compiled recurrences: argument checking, backend choice and the ``mx.custom_function`` glue.
+"""Compiled recurrences: argument checking, call plans and the ``mx.custom_function`` glue.
+
+A call is check (``Recurrence.check``), plan (``Recurrence.plan_for``: the ``CallPlan`` decided
+once per shapes, dtypes, options and device, from a bounded cache), run (``CallPlan.run``);
+see ``docs/calls.md``.
 
 The glue is the same for every backend: a backend provides ``forward`` (outputs, final states
 and segment checkpoints) and ``backward`` (input and initial-state gradients from the
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -18,6 +24,7 @@ from .adjoint import derive
 from .affine import analyse, segment_summary
 from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
+from .memo import LRU
 from .schedule import choose as choose_schedule
 from .spec import KERNEL_OPTIONS, Spec
 
@@ -26,6 +33,11 @@ FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 INDEX_DTYPES = (mx.bool_, mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16,
                 mx.uint32, mx.uint64)
 BACKENDS = ("auto", "mlx", "metal", "metal-sim", "cuda")
+# Plans (and the custom functions behind them) kept per recurrence: a call of a new shape past
+# this many evicts the least recently used (``memo.LRU``).
+PLAN_CACHE_SIZE = 64
+# The mlx backend runs calls of at most this many steps as the decode path (``CallPlan``).
+DECODE_MAX_STEPS = 16
 
 
 def _axes_text(t) -> str:
@@ -80,7 +92,8 @@ class Recurrence:
         self.forward_program, self.adjoint = self._programs()
         self.affine = analyse(self.ir)
         self._backends = {}
-        self._functions = {}
+        self._functions = LRU(PLAN_CACHE_SIZE)  # custom functions, by what decides them
+        self._plans = LRU(PLAN_CACHE_SIZE)  # CallPlans, by what decides them (see plan_for)
         self._variants = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
 
@@ -324,6 +337,7 @@ class Recurrence:
     def _function(self, backend, seg, sizes, out_dtype, options):
         key = (backend.name, seg, tuple(sorted(sizes.items())), out_dtype, tuple(sorted(options.items())))
         if key in self._functions:
+            self._functions.move_to_end(key)
             return self._functions[key]
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
         kernel = backend.name != "mlx"
@@ -422,23 +436,51 @@ class Recurrence:
             return call_distributed(self, group, args, kwargs, initial_state=initial_state,
                                     return_state=return_state, backend=backend, seg=seg,
                                     schedule=schedule)
-        rec, impl, seg, sizes, out_dtype, options, inputs, states = self._prepare(
-            args, kwargs, initial_state, backend, seg, schedule)
-        fn = rec._function(impl, seg, sizes, out_dtype, options)
-        results = fn(*inputs, *states)
-        n_out, n_state = len(self.spec.outputs), len(self.spec.states)
-        return self._package(results[:n_out], results[n_out:n_out + n_state], return_state)
+        call = self.check(*args, initial_state=initial_state, **kwargs)
+        plan = self.plan_for(call, backend=backend, seg=seg, schedule=schedule)
+        return plan.package(*plan.run(call.inputs, call.states), return_state)
 
-    def _prepare(self, args, kwargs, initial_state, backend, seg, schedule):
-        """Checked arguments and the choices of one call: ``(the recurrence that runs it — this
-        one, or its twin without gradients for bool and integer inputs —, backend implementation,
-        seg, sizes, output dtype, kernel options, inputs, initial states)``."""
-        kwargs = dict(kwargs)
+    def check(self, *args, initial_state=None, **kwargs) -> "CheckedCall":
+        """The arguments of a call (inputs positionally or by name, ``initial_state``, kernel
+        options such as ``threads=``), checked as a call checks them (``TypeError`` or
+        ``ValueError`` naming the argument): a ``CheckedCall``, with zeros for the initial
+        states not given."""
         options = {k: kwargs.pop(k) for k in KERNEL_OPTIONS if k in kwargs}
         inputs, states, sizes, out_dtype = self._bind(args, kwargs, initial_state)
+        return CheckedCall(inputs, states, sizes, out_dtype, options)
+
+    def plan(self, *args, initial_state=None, backend="auto", seg=None, schedule="auto",
+             **kwargs) -> "CallPlan":
+        """The plan of a call with these arguments (see ``plan_for``)."""
+        call = self.check(*args, initial_state=initial_state, **kwargs)
+        return self.plan_for(call, backend=backend, seg=seg, schedule=schedule)
+
+    def plan_for(self, call: "CheckedCall", backend="auto", seg=None,
+                 schedule="auto") -> "CallPlan":
+        """The ``CallPlan`` of a checked call: looked up by what decides it (input dtypes, sizes,
+        output dtype, backend, schedule, seg, kernel options and the default device), else made
+        and kept in a cache of ``PLAN_CACHE_SIZE`` plans, least recently used evicted first."""
         if seg is not None:
             seg = positive_int(f"{self.name}()", "seg", seg)
-        rec = self._for_dtypes([x.dtype for x in inputs])
+        key = (tuple(x.dtype for x in call.inputs), tuple(call.sizes.items()), call.out_dtype,
+               backend, schedule, seg, tuple(call.options.items()),
+               str(mx.default_device()))  # a Device hashes by identity, its text by value
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable option: planning it raises the error that names it
+            return self._make_plan(call, backend, seg, schedule)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(call, backend, seg, schedule)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def _make_plan(self, call, backend, seg, schedule) -> "CallPlan":
+        """Everything decided once for calls like ``call``: the recurrence that runs it (this
+        one, or its twin without gradients for bool and integer inputs), backend, schedule,
+        seg and the function that runs it."""
+        options, sizes = dict(call.options), call.sizes
+        rec = self._for_dtypes([x.dtype for x in call.inputs])
         impl = rec._backend(backend)
         if options and impl.name == "mlx":
             raise ValueError(f"{self.name}(): {'= and '.join(options)}= applies to the kernel "
@@ -451,15 +493,11 @@ class Recurrence:
                                  "kernel schedules, not schedule='matrix'")
             impl = rec._backend("mlx")
         options["schedule"] = kind
-        return rec, impl, seg, sizes, out_dtype, options, inputs, states
-
-    def _package(self, outs, finals, return_state):
-        """The call's results: the output (a tuple for several), then the final state (a dict
-        by name for several) when ``return_state``."""
-        out = outs[0] if len(outs) == 1 else tuple(outs)
-        if not return_state:
-            return out
-        return out, (finals[0] if len(finals) == 1 else dict(zip(self.spec.states, finals)))
+        decode = None
+        if impl.name == "mlx" and kind != "matrix" and sizes[self.spec.time] <= DECODE_MAX_STEPS:
+            decode = impl.decoder(sizes, call.out_dtype)
+        return CallPlan(rec, impl, kind, seg, tuple(sorted(sizes.items())), call.out_dtype,
+                        tuple(sorted(options.items())), decode)
 
     def reference(self, *args, initial_state=None, return_state=False, **kwargs):
         """The spec's traced expressions evaluated step by step on MLX arrays, independent of
@@ -474,6 +512,64 @@ class Recurrence:
         if not return_state:
             return out
         return out, (finals[0] if len(finals) == 1 else dict(zip(self.spec.states, finals)))
+
+
+class CheckedCall(NamedTuple):
+    """A call's checked arguments (``Recurrence.check``): inputs in declaration order, initial
+    states in state order (zeros where not given), axis sizes, the outputs' dtype and the kernel
+    options (``threads``, ``split``)."""
+
+    inputs: list
+    states: list
+    sizes: dict
+    out_dtype: mx.Dtype
+    options: dict
+
+
+@dataclass(frozen=True, eq=False)
+class CallPlan:
+    """What one kind of call runs, decided once (``Recurrence.plan_for``): the recurrence that
+    runs it (the called one, or its twin without gradients for bool and integer inputs), the
+    backend implementation, the schedule, the segment length, the sizes (sorted items), the
+    outputs' dtype and the kernel options (the schedule among them).
+
+    ``function`` is the custom function of the full path (outputs, final states, checkpoints;
+    its VJP the backend's backward). ``decode``, on the mlx backend for calls of at most
+    ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops in one
+    ``mx.compile``d function, initial states in and final states out, no checkpoints, which
+    MLX's own transforms differentiate, vmap and compile. ``run`` takes the decode path where
+    there is one."""
+
+    recurrence: "Recurrence"
+    backend: object
+    schedule: str
+    seg: int
+    sizes: tuple
+    out_dtype: mx.Dtype
+    options: tuple
+    decode: object = None
+
+    @functools.cached_property
+    def function(self):
+        """The full path's custom function (built on first use)."""
+        return self.recurrence._function(self.backend, self.seg, dict(self.sizes),
+                                         self.out_dtype, dict(self.options))
+
+    def run(self, inputs, states) -> tuple:
+        """(outputs, final states) of the call on these checked arrays."""
+        spec = self.recurrence.spec
+        n_out, n_state = len(spec.outputs), len(spec.states)
+        results = (self.decode or self.function)(*inputs, *states)
+        return list(results[:n_out]), list(results[n_out:n_out + n_state])
+
+    def package(self, outs, finals, return_state):
+        """The call's results: the output (a tuple for several), then the final state (a dict
+        by name for several) when ``return_state``."""
+        out = outs[0] if len(outs) == 1 else tuple(outs)
+        if not return_state:
+            return out
+        return out, (finals[0] if len(finals) == 1
+                     else dict(zip(self.recurrence.spec.states, finals)))
 
 
 _NO_SECOND_ORDER = (

@@ -211,10 +211,10 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     sequential step would not already fill the GPU (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the
     ``mlx`` backend the device is a GPU (``mlx_time_parallel_pays``); else ``sequential``. On
     the kernel backends ``auto`` never picks ``matrix``: on an H100 our sequential and chunked
-    kernels beat its MLX-op form (``benchmarks/results/bench-matrix-*``). ``chunked`` on a recurrence
-    that is not state-affine, and ``matrix`` on one without the matrix form
+    kernels beat its MLX-op form (``benchmarks/results/bench-matrix-*``). ``chunked`` on a
+    recurrence that is not state-affine, and ``matrix`` on one without the matrix form
     (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
-    interval, which is also the chunk length) is chosen when not given."""
+    interval, which is also the chunk length) is chosen when not given; it may exceed ``L``."""
     spec = rec.spec
     if requested not in SCHEDULES:
         raise ValueError(f"{spec.name}(): schedule must be one of {SCHEDULES}, got {requested!r}")
@@ -243,7 +243,11 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     if seg is None:
         seg = (MATRIX_CHUNK if kind == "matrix" else SEQUENTIAL_SEG if kind != "chunked"
                else chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))
-    return kind, min(seg, L)
+    # Not clipped to L: a call shorter than its segment runs one segment with the kernels of
+    # that segment length (they take SEG as a template constant and stop at the runtime L in
+    # ``meta``), so short calls of any length share one set of kernels instead of compiling a
+    # kernel per length.
+    return kind, seg
 
 
 def _lane_width(spec: Spec, sizes: dict) -> int:

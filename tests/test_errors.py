@@ -120,9 +120,9 @@ def test_bad_seg(ssd, seg):
 def test_integer_like_seg(ssd, seg):
     """Integer-like values (``operator.index``) are accepted and used as the int they stand for."""
     rec, args, h0 = ssd
-    rec._functions.clear()
     y = call(rec, args, initial_state=h0, seg=seg)
-    assert [type(k[1]) for k in rec._functions] == [int] and [k[1] for k in rec._functions] == [2]
+    plan = rec.plan(*args, initial_state=h0, seg=seg, backend="mlx")
+    assert type(plan.seg) is int and plan.seg == 2
     assert mx.array_equal(y, call(rec, args, initial_state=h0, seg=2)).item()
     from mlx_recgen import scans
     assert mx.array_equal(scans.ssd_scan(*args, seg=seg, backend="mlx"),

@@ -37,11 +37,18 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..layout import declared_shape
+from ..memo import LRU
 from ..render.chunked import ChunkedRenderer
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
 from ..schedule import MetaLayout, history_rows, make_schedule
+
+
+# Sizes of the memos: kernels by (kind, schedule, dtypes) — a schedule holds the bucketed
+# segment, so short calls of any length share a few —, and schedules and meta arrays by shape.
+KERNELS_KEPT = 64
+SHAPES_KEPT = 128
 
 
 def _dtype_name(d) -> str:
@@ -88,9 +95,10 @@ class KernelBackend:
         self.meta = MetaLayout(rec.spec)
         self.ids = kernel_identifiers(rec, self.meta)
         self._factory = None
-        self._kernels = {}
-        self._schedules = {}  # (sizes, seg, threads, kind, split) -> Schedule
-        self._metas = {}  # (sizes, schedule) -> the runtime-values array
+        # bounded memos (memo.LRU): calls of ever new shapes do not grow them
+        self._kernels = LRU(KERNELS_KEPT)  # (kind, schedule, dtypes) -> compiled kernel
+        self._schedules = LRU(SHAPES_KEPT)  # (sizes, seg, threads, kind, split, sweep) -> Schedule
+        self._metas = LRU(SHAPES_KEPT)  # (sizes, schedule) -> the runtime-values array
 
     # -- names -----------------------------------------------------------------------------------
     def buffers(self, kind, schedule) -> _Buffers:
@@ -149,27 +157,25 @@ class KernelBackend:
         return body, r.header(kind, dtypes_text)
 
     def kernel(self, kind, schedule, dtypes_text):
-        key = (kind, schedule, dtypes_text)
-        if key not in self._kernels:
+        def build():
             if self._factory is None:
                 self._factory = kernel_factory(self.name)
             body, header = self.render(kind, schedule, dtypes_text)
             names = self.buffers(kind, schedule)
-            self._kernels[key] = self._factory(
+            return self._factory(
                 name=kernel_name(self.rec.spec.name, kind, header, body, names.inputs,
                                  names.outputs),
                 input_names=names.inputs, output_names=names.outputs, source=body, header=header)
-        return self._kernels[key]
+
+        return self._kernels.get_or_build((kind, schedule, dtypes_text), build)
 
     # -- shapes ----------------------------------------------------------------------------------
     def _schedule(self, sizes, seg, threads, kind="sequential", split=None, sweep="forward"):
         # memoised: a decode step (L = 1) is dominated by such fixed costs per call
         key = (tuple(sorted(sizes.items())), seg, threads, kind, split, sweep)
-        if key not in self._schedules:
-            self._schedules[key] = make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
-                                                 max_threads=self.dialect.max_threads,
-                                                 split=split, sweep=sweep)
-        return self._schedules[key]
+        return self._schedules.get_or_build(key, lambda: make_schedule(
+            self.rec.spec, sizes, seg, threads, kind=kind, max_threads=self.dialect.max_threads,
+            split=split, sweep=sweep))
 
     def _launch(self, sizes, schedule, outer=1):
         """(instances, grid, threadgroup): one thread per (instance, lane), times ``outer`` for
@@ -186,9 +192,8 @@ class KernelBackend:
 
     def _meta(self, sizes, schedule):
         key = (tuple(sorted(sizes.items())), schedule)
-        if key not in self._metas:
-            self._metas[key] = mx.array(self.meta.values(sizes, schedule), dtype=mx.int64)
-        return self._metas[key]
+        return self._metas.get_or_build(key, lambda: mx.array(self.meta.values(sizes, schedule),
+                                                               dtype=mx.int64))
 
     def _ckpt_shape(self, t, sizes, schedule, instances, shares=False):
         """(segments, instances, components, rows, lanes): NS rows for a vector state, one for a

@@ -5,10 +5,12 @@ imports this module back."""
 
 from __future__ import annotations
 
-from ..render.mlx_ops import render_mlx
+import functools
+
+from ..render.mlx_ops import MLXStep, render_mlx
 from .mlx_chunked import ChunkedForm
 from .mlx_matrix import MatrixForm
-from .mlx_ops import SequentialForm, _Symbols
+from .mlx_ops import SequentialForm, _Decoder, _Symbols
 
 
 class MLXBackend:
@@ -51,6 +53,16 @@ class MLXBackend:
         if schedule == "matrix":
             return self.matrix
         return self.sequential
+
+    # -- the decode path -------------------------------------------------------------------------
+    def decoder(self, sizes, out_dtype) -> _Decoder:
+        """The decode path of calls of these sizes (a few steps, see ``function.CallPlan``)."""
+        return _Decoder(self, sizes, out_dtype)
+
+    @functools.cached_property
+    def decode_step(self) -> MLXStep:
+        """The whole forward step on arrays laid out state axis before lane (``_Decoder``)."""
+        return render_mlx(self.rec.forward_program, "decode_step", state_axis=-2)
 
     def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
         return self.form(sizes, schedule).forward(inputs, states, sizes, seg, out_dtype)

@@ -34,9 +34,10 @@ import sympy
 from ..ir import Accumulate, Loop, Program, Store
 from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..matrix import MatrixForm
+from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
-from .mlx_ops import SequentialForm, _Block
+from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
 
 LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
 SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
@@ -187,7 +188,7 @@ class MatrixForm(SequentialForm):
         self.post = render_mlx(_program(ir, list(ir.outputs.values()), given=frozenset(readout_of),
                                         slots=list(ir.outputs)), "matrix_outputs")
         self.readout_symbols = readout_of
-        self._compiled_calls = {}
+        self._compiled_calls = LRU(COMPILED_SIZES)  # bounded: a trace per shape is kept
 
     # -- the factors of every step ---------------------------------------------------------------
     def _batch_major(self, inputs, sizes) -> dict:
@@ -354,11 +355,12 @@ class MatrixForm(SequentialForm):
         change). Not on the CPU, where the compiled call was slower (Mamba-2 B2 L256 H8
         N128 forward on 2 x86 cores: 54 against 41 ms)."""
         key = (tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu)
-        if key not in self._compiled_calls:
-            call = functools.partial(self._call_declared, key[0], seg)
-            self._compiled_calls[key] = mx.compile(call) if key[2] else call
-        return self._compiled_calls[key]
 
+        def build():
+            call = functools.partial(self._call_declared, key[0], seg)
+            return mx.compile(call) if key[2] else call
+
+        return self._compiled_calls.get_or_build(key, build)
     def forward(self, inputs, states, sizes, seg, out_dtype):
         results = self._compiled(sizes, seg)(*inputs, *states)
         n_out = len(self.rec.spec.outputs)
@@ -371,7 +373,8 @@ class MatrixForm(SequentialForm):
         n_in, n_state = len(spec.inputs), len(spec.states)
         diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
         key = ("vjp", tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu)
-        if key not in self._compiled_calls:
+
+        def build():
             def vjp(*arrays):
                 inputs, states = list(arrays[:n_in]), list(arrays[n_in:n_in + n_state])
 
@@ -384,8 +387,9 @@ class MatrixForm(SequentialForm):
                 primals = [inputs[i] for i in diff] + states
                 return tuple(mx.vjp(f, primals, list(arrays[n_in + n_state:]))[1])
 
-            self._compiled_calls[key] = mx.compile(vjp) if key[3] else vjp
-        return self._compiled_calls[key], diff
+            return mx.compile(vjp) if key[3] else vjp
+
+        return self._compiled_calls.get_or_build(key, build), diff
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
                  d_residuals=None):

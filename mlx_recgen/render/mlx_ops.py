@@ -38,9 +38,10 @@ def program_arguments(program: Program) -> list:
     return sorted(free, key=str)
 
 
-def render_mlx(program: Program, name: str, args=None, returns=()) -> MLXStep:
+def render_mlx(program: Program, name: str, args=None, returns=(), state_axis=-1) -> MLXStep:
     """``program`` as an MLX function of ``args`` (default: what it reads, by name) returning
-    its stores in order, then the values of the symbols ``returns``. Symbols are spelled
+    its stores in order, then the values of the symbols ``returns``; ``Σ_n`` sums over axis
+    ``state_axis`` (the last, or -2 for arrays laid out state axis before lane). Symbols are spelled
     through ``render.names`` (``u_q``), so no spec name meets a keyword (``lambda``), ``mx`` or
     the function's own names (``state_ones``, ``out0``)."""
     args = program_arguments(program) if args is None else args
@@ -65,7 +66,8 @@ def render_mlx(program: Program, name: str, args=None, returns=()) -> MLXStep:
                 nonlocal ones
                 ones = True
                 body = f"({body}) * state_ones"
-            lines.append(f"    {names[stmt.target]} = mx.sum({body}, axis=-1, keepdims=True)")
+            lines.append(f"    {names[stmt.target]} = mx.sum({body}, axis={state_axis}, "
+                         "keepdims=True)")
         elif isinstance(stmt, Store):
             var = f"out{len(results)}"
             lines.append(f"    {var} = {pr(stmt.expr)}")

@@ -1,0 +1,125 @@
+"""Call plans: a call looks up the plan decided for its shapes, dtypes, options and device
+(``Recurrence.plan_for``), kept in a bounded cache; the memos behind it are bounded too."""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import pytest
+
+import mlx_recgen as rg
+from mlx_recgen.backends import mlx_ops
+from mlx_recgen.function import PLAN_CACHE_SIZE, CallPlan, Recurrence
+from mlx_recgen.memo import LRU
+
+
+def _rglru():
+    return Recurrence(rg.load_spec("rglru").spec)  # a fresh recurrence: empty caches
+
+
+def _args(L, D=4, dtype=mx.float32):
+    return mx.random.uniform(-1, 1, (2, L, D)).astype(dtype), mx.random.normal((2, L, D))
+
+
+def test_lru_evicts_the_least_recently_used():
+    memo = LRU(2)
+    built = []
+
+    def build(v):
+        return lambda: built.append(v) or v
+
+    assert memo.get_or_build("a", build(1)) == 1 and memo.get_or_build("b", build(2)) == 2
+    assert memo.get_or_build("a", build(9)) == 1  # a hit: "a" is now the most recent
+    memo.get_or_build("c", build(3))  # evicts "b"
+    assert list(memo) == ["a", "c"] and built == [1, 2, 3]
+    memo["d"] = 4
+    assert list(memo) == ["c", "d"]
+    with pytest.raises(ValueError, match="at least one entry"):
+        LRU(0)
+
+
+def test_a_call_reuses_its_plan():
+    rec = _rglru()
+    a, x = _args(40)
+    plan = rec.plan(a, x, backend="mlx")
+    assert isinstance(plan, CallPlan)
+    assert rec.plan(*_args(40), backend="mlx") is plan  # same shapes, new arrays
+    assert (plan.backend.name, plan.schedule, plan.seg) == ("mlx", "sequential", 32)
+    assert dict(plan.sizes) == {"B": 2, "L": 40, "D": 4}
+    assert plan.decode is None and plan.function is plan.function
+    rec(a, x, backend="mlx")
+    assert len(rec._plans) == 1
+    # what decides a plan: a new dtype, seg, schedule or length is a new plan
+    assert rec.plan(*_args(40, dtype=mx.float16), backend="mlx") is not plan
+    assert rec.plan(a, x, backend="mlx", seg=8).seg == 8
+    assert rec.plan(a, x, backend="mlx", schedule="chunked").schedule == "chunked"
+    assert rec.plan(*_args(41), backend="mlx") is not plan
+
+
+def test_plan_cache_is_bounded():
+    rec = _rglru()
+    first = rec.plan(*_args(100), backend="mlx")
+    for L in range(101, 101 + PLAN_CACHE_SIZE):
+        rec(*_args(L), backend="mlx")
+    assert len(rec._plans) == PLAN_CACHE_SIZE and len(rec._functions) <= PLAN_CACHE_SIZE
+    assert rec.plan(*_args(100), backend="mlx") is not first  # evicted, planned again
+    recent = rec.plan(*_args(100 + PLAN_CACHE_SIZE), backend="mlx")
+    assert rec.plan(*_args(100 + PLAN_CACHE_SIZE), backend="mlx") is recent
+
+
+def test_errors_are_not_planned():
+    rec = _rglru()
+    a, x = _args(5)
+    with pytest.raises(ValueError, match=r"rglru\(\): threads= applies to the kernel backends"):
+        rec(a, x, backend="mlx", threads=64)
+    with pytest.raises(ValueError, match=r"rglru\(\): seg must be a positive integer"):
+        rec.plan(a, x, backend="mlx", seg=0)
+    # an unhashable option still meets the check that names it
+    with pytest.raises(ValueError, match=r"rglru\(\): schedule must be one of .*got \['x'\]"):
+        rec(a, x, backend="mlx", schedule=["x"])
+    assert len(rec._plans) == 0
+
+
+def test_compiled_blocks_are_bounded_and_shared_across_lengths(monkeypatch):
+    """The mlx backend's compiled forward blocks: one compiled function per shape of the axes
+    other than time (a new length reuses it), at most ``COMPILED_SIZES`` of them."""
+    monkeypatch.setattr(mlx_ops, "COMPILED_SIZES", 3)
+    rec = _rglru()
+    form = rec._backend("mlx").sequential
+    for L in (40, 57, 70, 200):
+        mx.eval(rec(*_args(L), backend="mlx"))
+    assert len(form._compiled_blocks) == 1
+    for D in (5, 6, 7, 8):
+        mx.eval(rec(*_args(40, D=D), backend="mlx"))
+    assert len(form._compiled_blocks) == 3
+
+
+def test_power_runs_cover_the_range():
+    runs = list(mlx_ops._power_runs(32, 32 + 59, 64))
+    assert runs == [(32, 64), (64, 80), (80, 88), (88, 90), (90, 91)]
+    assert list(mlx_ops._power_runs(0, 200, 64))[-2:] == [(128, 192), (192, 200)]
+
+
+def _resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 1e6
+
+
+def test_resident_memory_does_not_grow_per_length(monkeypatch):
+    """Forward calls of 120 new lengths, after 120 others: resident memory stays (MLX's buffer
+    cache off, so that only what the compiler keeps counts). Before the plans and bounded memos,
+    every length kept its compiled traces and custom function: about 0.15 MB each."""
+    limit = mx.set_cache_limit(0)
+    try:
+        rec = _rglru()
+        for L in range(200, 320):
+            mx.eval(rec(*_args(L, D=64), backend="mlx"))
+        gc.collect()
+        before = _resident_mb()
+        for L in range(320, 440):
+            mx.eval(rec(*_args(L, D=64), backend="mlx"))
+        gc.collect()
+        assert _resident_mb() - before < 4
+    finally:
+        mx.set_cache_limit(limit)
