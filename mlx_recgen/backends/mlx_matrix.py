@@ -33,7 +33,6 @@ import sympy
 
 from ..ir import Accumulate, Loop, Program, Store
 from ..layout import expand_groups, expanded, from_canonical, to_canonical
-from ..matrix import MatrixForm
 from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
@@ -147,7 +146,7 @@ class MatrixForm(SequentialForm):
 
     name = "matrix"
 
-    def __init__(self, rec, table, form: MatrixForm):
+    def __init__(self, rec, table, form):  # form: matrix.MatrixForm, the analysis
         super().__init__(rec, table)
         self.form = form
         ir = rec.ir
@@ -314,7 +313,6 @@ class MatrixForm(SequentialForm):
 
     def _state(self, states, st, sizes):
         """The initial state of ``st`` as ``(*batch, K, V)`` (``V = 1`` for a shared state)."""
-        spec = self.rec.spec
         init = mx.squeeze(self._initial(states, [st.symbol], sizes)[st.symbol], 0)  # (*batch, V, K)
         return mx.swapaxes(init, -1, -2)
 

@@ -35,7 +35,6 @@ any transform runs each forward segment as compiled calls of at most ``unroll`` 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
