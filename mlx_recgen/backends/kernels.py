@@ -22,6 +22,13 @@ Chunked schedule (three kernels per pass, ``render/chunked.py``):
             ->  d_<state>_init..., <state>_lamend...
   gradients: inputs..., <state>_ckpt..., d_<output>..., <state>_lamend..., meta  ->  d_<input>...
 
+Scan schedule (one kernel per pass, ``render/scan.py``; the buffers of the sequential schedule,
+with one checkpoint per stretch and no scratch):
+
+  forward:  inputs..., <state>_init..., meta  ->  outputs..., <state>_final..., <state>_ckpt...
+  backward: inputs..., <state>_ckpt..., d_<output>..., d_<state>_final..., meta
+            ->  d_<input>..., d_<state>_init...
+
 Buffer names are spelled through ``render.names`` (``u_`` + the spec's name). ``d_<input>``
 exists for differentiable inputs only (bool and integer inputs get none). A shared state (without
 the lane axis) has one lane in the buffers of its values (``_ckpt``, the forward's ``_local``) and
@@ -40,7 +47,9 @@ from ..render.chunked import ChunkedRenderer
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
-from ..schedule import MetaLayout, history_rows, make_schedule
+from ..render.scan import ScanRenderer
+from ..schedule import (MetaLayout, history_rows, make_scan_schedule, make_schedule, scan_misfit,
+                        scan_run)
 
 
 def _dtype_name(d) -> str:
@@ -90,6 +99,7 @@ class KernelBackend:
         self._kernels = {}
         self._schedules = {}  # (sizes, seg, threads, kind, split) -> Schedule
         self._metas = {}  # (sizes, schedule) -> the runtime-values array
+        self.scan = ScanPasses(self)
 
     # -- names -----------------------------------------------------------------------------------
     def buffers(self, kind, schedule) -> _Buffers:
@@ -135,7 +145,10 @@ class KernelBackend:
 
     def render(self, kind, schedule, dtypes_text):
         """(body, header) of a kernel."""
-        if schedule.kind == "chunked":
+        if schedule.kind == "scan":
+            r = ScanRenderer(self.rec, self.dialect, schedule, self.ids)
+            body = r.forward() if kind == "forward" else r.backward()
+        elif schedule.kind == "chunked":
             r = ChunkedRenderer(self.rec, self.dialect, schedule, self.ids)
             body = {"summary": r.summary, "carry": lambda: r.carry(reverse=False),
                     "outputs": r.forward, "local_adjoint": lambda: r.backward(lambda_only=True),
@@ -163,6 +176,9 @@ class KernelBackend:
     def _schedule(self, sizes, seg, threads, kind="sequential", split=None, sweep="forward"):
         # memoised: a decode step (L = 1) is dominated by such fixed costs per call
         key = (tuple(sorted(sizes.items())), seg, threads, kind, split, sweep)
+        if key not in self._schedules and kind == "scan":  # seg: the run of one thread
+            self._schedules[key] = make_scan_schedule(self.rec.spec, sizes, seg, threads,
+                                                      max_threads=self.dialect.max_threads)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
                                                  max_threads=self.dialect.max_threads,
@@ -235,6 +251,8 @@ class KernelBackend:
     # -- passes ----------------------------------------------------------------------------------
     def forward(self, inputs, states, sizes, seg, out_dtype, threads=None, split=None,
                 schedule="sequential"):
+        if schedule == "scan":
+            return self.scan.forward(inputs, states, sizes, seg, out_dtype, threads)
         if schedule == "chunked":
             return self._forward_chunked(inputs, states, sizes, seg, out_dtype, threads, split)
         spec = self.rec.spec
@@ -256,6 +274,9 @@ class KernelBackend:
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg, threads=None,
                  split=None, schedule="sequential"):
+        if schedule == "scan":
+            return self.scan.backward(inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                                      threads)
         if schedule == "chunked":
             return self._backward_chunked(inputs, states, residuals, d_outputs, d_finals, sizes,
                                           seg, threads, split)
@@ -344,6 +365,53 @@ class KernelBackend:
         return grads, self._finish_d_init(d_init, states)
 
 
+class ScanPasses:
+    """The scan schedule's passes on a kernel backend: one kernel each (``render/scan.py``).
+    ``run`` (the call's ``seg``) is the steps of one thread; the residuals are the states
+    entering every stretch."""
+
+    def __init__(self, backend: KernelBackend):
+        self.backend = backend
+
+    def schedule(self, sizes, run, threads=None):
+        return self.backend._schedule(sizes, run, threads, kind="scan")
+
+    def forward(self, inputs, states, sizes, run, out_dtype, threads=None):
+        """(outputs, final states, checkpoints)."""
+        b, spec = self.backend, self.backend.rec.spec
+        sch = self.schedule(sizes, run, threads)
+        instances, grid, group = b._launch(sizes, sch)
+        dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
+        shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
+        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
+        shapes += [b._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
+        n_out, n_state = len(spec.outputs), len(spec.states)
+        results = b.kernel("forward", sch, dtypes)(
+            inputs=[*map(_as_buffer, inputs), *states, b._meta(sizes, sch)],
+            template=[*sch.template(), ("OutT", out_dtype)], grid=grid, threadgroup=group,
+            output_shapes=shapes,
+            output_dtypes=[out_dtype] * n_out + [mx.float32] * (2 * n_state))
+        return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
+                list(results[n_out + n_state:]))
+
+    def backward(self, inputs, states, ckpts, d_outputs, d_finals, sizes, run, threads=None):
+        """(gradients of the differentiable inputs, gradients of the initial states)."""
+        b, spec = self.backend, self.backend.rec.spec
+        sch = self.schedule(sizes, run, threads)
+        _, grid, group = b._launch(sizes, sch)
+        dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+        shapes = [b.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+        shapes += b._d_init_shapes(sizes)
+        results = b.kernel("backward", sch, dtypes)(
+            inputs=[*map(_as_buffer, inputs), *ckpts, *d_outputs,
+                    *[g.astype(mx.float32) for g in d_finals], b._meta(sizes, sch)],
+            template=sch.template(), grid=grid, threadgroup=group, output_shapes=shapes,
+            output_dtypes=[mx.float32] * len(shapes))
+        n_in = len(_differentiable(spec))
+        grads = b._finish_grads(inputs, results[:n_in], sizes, sch)
+        return grads, b._finish_d_init(results[n_in:], states)
+
+
 def _differentiable(spec) -> dict:
     """The inputs that get a gradient (floating point ones; see ``Spec.without_gradients``)."""
     return {k: t for k, t in spec.inputs.items() if t.differentiable}
@@ -363,25 +431,32 @@ def _input_info(dtype, t):
 
 SEQUENTIAL_KERNELS = ("forward", "backward")
 CHUNKED_KERNELS = ("summary", "carry", "outputs", "local_adjoint", "adjoint_carry", "gradients")
+SCAN_KERNELS = ("forward", "backward")
 
 
-def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, lanes=64,
+def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16, lanes=64,
                   threads=None, schedule="sequential", split=None):
     """The full text of a kernel as the backend compiles it (MLX's generated signature included),
     for inputs of ``dtype`` (one dtype, or a dict by input name) and the schedule those sizes
-    give. ``kind`` names a kernel of the schedule: ``SEQUENTIAL_KERNELS`` or ``CHUNKED_KERNELS``.
+    give. ``kind`` names a kernel of the schedule: ``SEQUENTIAL_KERNELS``, ``CHUNKED_KERNELS`` or
+    ``SCAN_KERNELS``; ``seg`` defaults to 32 (the scan: ``scan_run``, its steps per thread).
     Group axes get size 2 and the axes they group 4."""
     from .mlx_source import cuda_source, metal_source
 
     if backend not in ("metal", "cuda", "metal-sim"):
         raise ValueError(f"backend must be 'metal', 'cuda' or 'mlx', got {backend!r}")
-    kinds = {"sequential": SEQUENTIAL_KERNELS, "chunked": CHUNKED_KERNELS}.get(schedule)
+    kinds = {"sequential": SEQUENTIAL_KERNELS, "chunked": CHUNKED_KERNELS,
+             "scan": SCAN_KERNELS}.get(schedule)
     if kinds is None:
-        raise ValueError(f"schedule must be 'sequential' or 'chunked', got {schedule!r}")
+        raise ValueError(f"schedule must be 'sequential', 'chunked' or 'scan', got {schedule!r}")
     if kind not in kinds:
         raise ValueError(f"the {schedule} schedule's kernels are {kinds}, got {kind!r}")
     if schedule == "chunked" and not rec.time_parallel:
         raise ValueError(f"{rec.name} has no chunked kernels: {rec.affine.reason}")
+    if schedule == "scan" and scan_misfit(rec):
+        raise ValueError(f"{rec.name} has no scan kernels: {scan_misfit(rec)}")
+    if seg is None:
+        seg = scan_run(rec.spec) if schedule == "scan" else 32
     spec = rec.spec
     dtypes = dtype if isinstance(dtype, dict) else {n: dtype for n in spec.inputs}
     floats = [d for d in dtypes.values() if d in (mx.float32, mx.float16, mx.bfloat16)]
