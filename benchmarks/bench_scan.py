@@ -125,8 +125,8 @@ def pass_bytes(rec, sizes, xs, out_itemsize, schedule, seg):
     states = sum(4 * _elements(t, sizes) for t in spec.states.values())
     grads = inputs  # every gradient in its input's dtype
     floor = (inputs + outputs + 2 * states, inputs + outputs + grads + 2 * states)
-    # the kernels write gradients in fp32; an MLX cast to a narrower input dtype reads and
-    # writes them once more
+    # the chunked kernels write gradients in fp32; an MLX cast to a narrower input dtype reads
+    # and writes them once more (the scan writes them in the input's dtype)
     f32 = sum(4 * x.size for x in xs)
     cast = sum(4 * x.size + x.nbytes for x in xs if x.dtype != mx.float32)
     extra_bwd = f32 - grads + cast
@@ -138,7 +138,7 @@ def pass_bytes(rec, sizes, xs, out_itemsize, schedule, seg):
 
         stretch = make_scan_schedule(spec, sizes, seg, max_threads=256).seg
         ckpt = per_lane * -(-L // stretch)
-        return floor, (floor[0] + ckpt, floor[1] + ckpt + extra_bwd)
+        return floor, (floor[0] + ckpt, floor[1] + ckpt)
     if schedule == "chunked":
         chunks = -(-L // seg)
         blocks = rec.affine.blocks

@@ -115,6 +115,32 @@ def test_scan_bfloat16_inputs(backend, name):
     assert not bad, bad
 
 
+def test_scan_writes_gradients_in_the_input_dtype():
+    """A gradient the kernel writes whole goes out in its input's dtype (no fp32 buffer and
+    cast pass); one summed after the kernel (over time-threads and batch) stays fp32."""
+    text = rg.load_spec("complex_lru").source("backward", backend="metal", schedule="scan",
+                                              dtype=mx.bfloat16)
+    assert "device bfloat16_t* u_d_bx " in text
+    assert "device float* u_d_nu_log " in text
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_scan_jvp(backend):
+    """``mx.jvp`` runs the tangent recurrence (itself in the scan's class: a 2x2 block of the
+    state and its tangent) under the scan schedule."""
+    rec = rg.load_spec("rglru")
+    mx.random.seed(3)
+    (a, x), h0 = _draw("rglru", 37)
+    ta, tx = mx.random.normal(a.shape), mx.random.normal(x.shape)
+
+    def f(backend, **call):
+        return lambda a, x: rec(a, x, initial_state=h0, backend=backend, **call)
+
+    _, got = mx.jvp(f(backend, schedule="scan", seg=2, threads=64), [a, x], [ta, tx])
+    _, want = mx.jvp(lambda a, x: REFERENCES["rglru"](a, x, h0)[0], [a, x], [ta, tx])
+    assert rel_err(got[0], want[0]) < TOL
+
+
 def test_scan_default_schedule_runs(backend="metal-sim"):
     """Without seg= and threads=: the chosen run and group size (256 threads, runs of
     ``scan_run`` steps)."""

@@ -47,7 +47,7 @@ from ..render.chunked import ChunkedRenderer
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
-from ..render.scan import ScanRenderer
+from ..render.scan import ScanRenderer, grad_type_name
 from ..schedule import (MetaLayout, history_rows, make_scan_schedule, make_schedule, scan_misfit,
                         scan_run)
 
@@ -402,14 +402,29 @@ class ScanPasses:
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         shapes = [b.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
         shapes += b._d_init_shapes(sizes)
+        grad_dtypes = self.grad_dtypes({n: x.dtype for n, x in zip(spec.inputs, inputs)},
+                                       sizes, sch)
         results = b.kernel("backward", sch, dtypes)(
             inputs=[*map(_as_buffer, inputs), *ckpts, *d_outputs,
                     *[g.astype(mx.float32) for g in d_finals], b._meta(sizes, sch)],
-            template=sch.template(), grid=grid, threadgroup=group, output_shapes=shapes,
-            output_dtypes=[mx.float32] * len(shapes))
+            template=[*sch.template(), *self.grad_template(grad_dtypes)], grid=grid,
+            threadgroup=group, output_shapes=shapes,
+            output_dtypes=grad_dtypes + [mx.float32] * (len(shapes) - len(grad_dtypes)))
         n_in = len(_differentiable(spec))
         grads = b._finish_grads(inputs, results[:n_in], sizes, sch)
         return grads, b._finish_d_init(results[n_in:], states)
+
+    def grad_dtypes(self, dtypes: dict, sizes, sch) -> list:
+        """The dtype of each differentiable input's gradient buffer: the input's own where the
+        kernel writes the whole gradient (no lead axis to sum after it: no cast pass over it),
+        else float32."""
+        meta = self.backend.meta
+        return [dtypes[t.name] if not meta.grad_lead(t, sizes, sch) else mx.float32
+                for t in _differentiable(self.backend.rec.spec).values()]
+
+    @staticmethod
+    def grad_template(grad_dtypes) -> list:
+        return [(grad_type_name(i), d) for i, d in enumerate(grad_dtypes)]
 
 
 def _differentiable(spec) -> dict:
@@ -491,6 +506,10 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16,
     outputs = {ids["buffer", t] for t in spec.outputs}
     out_dtypes = [dtype if n in outputs else mx.float32 for n in names.outputs]
     template = sch.template()
+    if schedule == "scan" and kind == "backward":
+        grad_dtypes = impl.scan.grad_dtypes(dtypes, sizes, sch)
+        out_dtypes[:len(grad_dtypes)] = grad_dtypes
+        template = [*template, *impl.scan.grad_template(grad_dtypes)]
     if kind in ("forward", "outputs"):
         template = [*template, ("OutT", dtype)]
     # the dtypes a kernel's header names, as the passes above name them at a call (the kernel's

@@ -19,9 +19,10 @@ backward  the same walk, newest stretch first: from the stretch's checkpoint the
           registers, the run's local adjoint (``λ`` swept from zero with the adjoint's ``λ``
           statements only) and ``Pᵀ`` form the adjoint map ``λ_end -> Pᵀ λ_end + local``,
           which composes in reverse time order the same way; then the full adjoint sweep of
-          each run writes the gradients. Gradients of inputs without the time axis are summed
-          over a run's steps in registers and written once per time-thread (lead axis summed
-          after the kernel).
+          each run writes the gradients, in the dtype of the gradient buffer (template types
+          ``GradT<i>``: the input's dtype where nothing is summed after the kernel). Gradients
+          of inputs without the time axis are summed over a run's steps in registers and
+          written once per time-thread (a lead axis summed after the kernel, in fp32).
 
 A map is stored field by field: per multiplier block ``b`` its entries ``a<b>_<i><j>``, per
 state slot ``k`` its offset ``v<k>``. Threadgroup memory holds two passes' totals,
@@ -35,6 +36,11 @@ from ..schedule import SEGMENTS, members
 from ..spec import Slot
 from .kernels import KernelRenderer, StepWriter, _commit_state, _without_outputs, environment
 from .names import program_symbols
+
+
+def grad_type_name(index: int) -> str:
+    """The template type of the gradient buffer of the ``index``-th differentiable input."""
+    return f"GradT{index}"
 
 
 class ScanRenderer(KernelRenderer):
@@ -225,18 +231,23 @@ class ScanRenderer(KernelRenderer):
 
         accumulators = []
         differentiable = [t for t in spec.inputs.values() if t.differentiable]
-        for t in differentiable:
+        for i, t in enumerate(differentiable):
             if not t.has_time:
                 for c in range(t.components):
                     accumulators.append(dict(name=nm[("acc", spec.symbols[Slot(t.name, c)])],
-                                             target=grad_target(t, c, False)))
+                                             target=grad_target(t, c, False),
+                                             type=grad_type_name(i)))
+
+        grad_type = {t.name: grad_type_name(i) for i, t in enumerate(differentiable)}
 
         def route(store, value, in_loop, pad):
             if store.kind == "lambda":
                 return [], [f"{pad}{lam_regs[store.slot]} = {value};"]
             t, c = spec.inputs[store.slot.tensor], store.slot.component
-            if t.has_time:
-                return [f"{pad}if (lane_ok) {{ {grad_target(t, c, True)} = {value}; }}"], []
+            if t.has_time:  # in the gradient buffer's dtype (the input's, see ScanPasses)
+                target = grad_target(t, c, True)
+                return [f"{pad}if (lane_ok) {{ {target} = static_cast<{grad_type[t.name]}>"
+                        f"({value}); }}"], []
             return [f"{pad}{nm[('acc', spec.symbols[store.slot])]} += {value};"], []
 
         grad_bases = []
@@ -274,4 +285,4 @@ class ScanRenderer(KernelRenderer):
                    step=writer.program(adj.program, route, "        "))
         return environment().get_template("scan_backward.j2").render(**ctx)
 
-__all__ = ["ScanRenderer"]
+__all__ = ["ScanRenderer", "grad_type_name"]
