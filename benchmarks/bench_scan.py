@@ -16,7 +16,8 @@ A second table puts the kernel schedules side by side (``--schedules``, default 
 each spec runs the ones that apply to it), with the bytes each pass moves against the floor:
 
     python benchmarks/bench_scan.py --backend cuda --specs rglru --shape B=8 L=4096 D=1024 \
-        --dtype bfloat16 --json rglru-b8.json
+        --dtype bfloat16 --json rglru-b8.json --skip-first-table [--scan-seg 4 8 16] \\
+        [--scan-threads 128 256]
 
 * floor, forward: every input read once, every output written once, the initial and final
   states; backward: the inputs and output cotangents read once, every gradient written once,
@@ -116,7 +117,7 @@ def _instances_lanes(spec, sizes):
     return n
 
 
-def pass_bytes(rec, sizes, xs, out_itemsize, schedule, seg):
+def pass_bytes(rec, sizes, xs, out_itemsize, schedule, seg, threads=None):
     """Modelled bytes of (forward, backward) for a kernel schedule, and the floor of each (see
     the module docstring). States, cotangents of states and residuals are fp32."""
     spec = rec.spec
@@ -136,7 +137,7 @@ def pass_bytes(rec, sizes, xs, out_itemsize, schedule, seg):
     if schedule == "scan":
         from mlx_recgen.schedule import make_scan_schedule
 
-        stretch = make_scan_schedule(spec, sizes, seg, max_threads=256).seg
+        stretch = make_scan_schedule(spec, sizes, seg, threads, max_threads=256).seg
         ckpt = per_lane * -(-L // stretch)
         return floor, (floor[0] + ckpt, floor[1] + ckpt)
     if schedule == "chunked":
@@ -162,18 +163,25 @@ def schedule_rows(args, bw_copy):
         sizes = dict(SHAPES[name], **parse_shape(args.shape))
         xs = [x.astype(dtype) for x in inputs_for(rec, sizes)]
         n = len(xs)
-        for schedule in args.schedules:
+        configs = [(s, None, None) for s in args.schedules if s != "scan"]
+        if "scan" in args.schedules:
+            configs += [("scan", seg, threads) for seg in args.scan_seg or [None]
+                        for threads in args.scan_threads or [None]]
+        for schedule, seg, threads in configs:
             try:
-                kind, seg = choose(rec, sizes, schedule, None, args.backend)
+                kind, seg = choose(rec, sizes, schedule, seg, args.backend)
             except ValueError:
                 continue  # the schedule does not apply to this spec
-            f = lambda *a, schedule=schedule: rec(*a, backend=args.backend, schedule=schedule)  # noqa: E731
+            call = dict(backend=args.backend, schedule=schedule, seg=seg,
+                        **({"threads": threads} if threads else {}))
+            f = lambda *a, call=call: rec(*a, **call)  # noqa: E731
             grad = mx.grad(lambda *a, f=f: mx.sum(f(*a).astype(mx.float32)),
                            argnums=tuple(range(n)))
             fwd, fwdbwd = timed(lambda f=f: f(*xs)), timed(lambda grad=grad: grad(*xs))
-            floor, moved = pass_bytes(rec, sizes, xs, dtype.size, kind, seg)
+            floor, moved = pass_bytes(rec, sizes, xs, dtype.size, kind, seg, threads)
             bwd = fwdbwd - fwd  # the backward pass: forward+backward less the forward
             rows.append(dict(spec=name, sizes=sizes, dtype=args.dtype, schedule=kind, seg=seg,
+                             threads=threads,
                              fwd_ms=fwd * 1e3, fwdbwd_ms=fwdbwd * 1e3,
                              peak_mib=peak(lambda grad=grad: grad(*xs)) / 2**20,
                              floor_fwd_mb=floor[0] / 1e6, floor_bwd_mb=floor[1] / 1e6,
@@ -187,9 +195,9 @@ def schedule_rows(args, bw_copy):
 
 def schedule_table(rows) -> list:
     lines = ["", "## Kernel schedules: time and bytes per pass against the floor", "",
-             "| spec | shape | dtype | schedule | seg | fwd | fwd+bwd | peak | fwd MB (floor) "
-             "| bwd MB (floor) | fwd floor/time | bwd floor/time | copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| spec | shape | dtype | schedule | seg | threads | fwd | fwd+bwd | peak "
+             "| fwd MB (floor) | bwd MB (floor) | fwd floor/time | bwd floor/time | copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def mb(moved, floor):
         return f"{moved:.1f} ({floor:.1f})" if moved else f"? ({floor:.1f})"
@@ -198,6 +206,7 @@ def schedule_table(rows) -> list:
         shape = " ".join(f"{a}={v}" for a, v in r["sizes"].items())
         bwd = f"{r['floor_bwd_tbs']:.2f} TB/s" if r["floor_bwd_tbs"] else "-"
         lines.append(f"| {r['spec']} | {shape} | {r['dtype']} | {r['schedule']} | {r['seg']} "
+                     f"| {r['threads'] or 'auto'} "
                      f"| {r['fwd_ms']:.3f} ms | {r['fwdbwd_ms']:.3f} ms | {r['peak_mib']:.0f} MiB "
                      f"| {mb(r['moved_fwd_mb'], r['floor_fwd_mb'])} "
                      f"| {mb(r['moved_bwd_mb'], r['floor_bwd_mb'])} "
@@ -222,6 +231,10 @@ def main():
                    help="inputs of the schedules table")
     p.add_argument("--schedules", nargs="*", default=["chunked", "scan"],
                    help="kernel schedules compared in the second table (those that apply)")
+    p.add_argument("--scan-seg", nargs="*", type=int, default=None,
+                   help="steps per thread of the scan to sweep (default: chosen)")
+    p.add_argument("--scan-threads", nargs="*", type=int, default=None,
+                   help="threads per group of the scan to sweep (default: chosen)")
     p.add_argument("--skip-first-table", action="store_true",
                    help="only the schedules table")
     args = p.parse_args()
