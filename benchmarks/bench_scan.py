@@ -15,7 +15,7 @@ inputs, outputs and checkpoints over time) is put beside the device's measured c
 A second table puts the kernel schedules side by side (``--schedules``, default ``chunked scan``;
 each spec runs the ones that apply to it), with the bytes each pass moves against the floor:
 
-    python benchmarks/bench_scan.py --backend cuda --specs rglru --shape B=8 L=4096 D=1024 \
+    python benchmarks/bench_scan.py --backend cuda --specs rglru --shape B=8 L=4096 D=1024 \\
         --dtype bfloat16 --json rglru-b8.json --skip-first-table [--scan-seg 4 8 16] \\
         [--scan-threads 128 256]
 
