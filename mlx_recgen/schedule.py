@@ -1,6 +1,6 @@
 """Kernel schedules: how a call maps onto GPU threads, and the runtime values a kernel reads.
 
-Two schedules, chosen in one place (``choose``):
+Three kernel schedules, chosen in one place (``choose``; ``matrix`` runs MLX ops):
 
 * ``sequential``: one thread per (instance, lane) walks all ``L`` steps, writing a checkpoint
   every ``seg`` steps; the backward walks segments newest first. Any recurrence.
@@ -11,6 +11,11 @@ Two schedules, chosen in one place (``choose``):
   and writes the outputs. The backward mirrors it: local adjoints per segment, a carry of ``λ``
   with the transposed multipliers, then every segment sweeps its adjoint and writes the
   gradients (``render/chunked.py``).
+* ``scan``: for state-affine recurrences without a state axis (``scan_misfit``), one kernel per
+  pass that reads every input once: a threadgroup per (instance, block of lanes) walks time in
+  stretches, each thread a run of ``seg`` steps held in registers, the runs' affine maps
+  composed through shuffles and one threadgroup pass, the state carried from stretch to
+  stretch (``render/scan.py``, docs/scan.md).
 
 Mapping: one thread per (instance, lane). The lanes of one instance are padded to a multiple of
 32, then split into ``groups_per_instance`` threadgroups of ``TG`` threads; grid x counts all of
@@ -110,7 +115,7 @@ class Schedule:
     lane_reduction: bool  # some gradient is reduced over lanes
     history: str  # "registers" | "scratch"
     state_size: int  # NS (1 without a state axis)
-    kind: str = "sequential"  # | "chunked"
+    kind: str = "sequential"  # | "chunked" | "scan"
     time_rounds: bool = False  # per-step lane reductions in rounds inside the state loop
     stage_steps: int = 0  # TILE: steps of the lane-shared inputs staged at once (0: none)
     stage_floats: int = 0  # floats of lane-shared inputs per step
