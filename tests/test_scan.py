@@ -25,10 +25,10 @@ from mlx_recgen.schedule import SCHEDULES, choose, make_scan_schedule, scan_misf
 
 SCAN_SPECS = ["rglru", "rotlru", "mingru", "complex_lru"]
 TOL = 1e-5
-b, D = 2, 5
+b = 2
 
 
-def _draw(name, L):
+def _draw(name, L, D=5):
     """Inputs (in the spec's order) and the initial state, of both signs."""
     n, u = mx.random.normal, mx.random.uniform
     if name == "rglru":
@@ -70,12 +70,12 @@ def _values_and_grads(fn, args, weights):
     return [y, h, *grads]
 
 
-def compare(name, backend, L, dtype=mx.float32, **call):
+def compare(name, backend, L, dtype=mx.float32, lanes=5, **call):
     """Relative errors against the reference: output, final state, then the gradients of the
     inputs and of the initial state. With ``dtype``, the inputs are cast to it and the
     reference runs in float32 on the cast values."""
     mx.random.seed(sum(map(ord, name)) + L)
-    inputs, h0 = _draw(name, L)
+    inputs, h0 = _draw(name, L, lanes)
     inputs = [x.astype(dtype) for x in inputs]
     args = [*inputs, h0]
     y, h = _reference(name)(*[x.astype(mx.float32) for x in inputs], h0)
@@ -101,6 +101,16 @@ CASES = [
 @pytest.mark.parametrize("L, seg, threads", CASES)
 def test_scan_matches_reference(backend, name, L, seg, threads):
     errors = compare(name, backend, L, seg=seg, threads=threads)
+    bad = {k: v for k, v in errors.items() if not v < TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name", ["rglru", "complex_lru"])
+def test_scan_lane_blocks_and_simdgroups(backend, name):
+    """20 lanes in blocks of 8 (three threadgroups per instance, the last one part padding);
+    128 threads: 16 runs per stretch over 4 simdgroups."""
+    errors = compare(name, backend, 70, lanes=20, seg=2, threads=128)
     bad = {k: v for k, v in errors.items() if not v < TOL}
     assert not bad, bad
 
