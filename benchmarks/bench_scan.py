@@ -135,9 +135,10 @@ def pass_bytes(rec, sizes, xs, out_itemsize, schedule, seg, threads=None):
     state_floats = sum(t.components for t in spec.states.values())
     per_lane = 4 * _instances_lanes(spec, sizes) * state_floats
     if schedule == "scan":
-        from mlx_recgen.schedule import make_scan_schedule
+        from mlx_recgen.schedule import make_scan_schedule, scan_map_floats
 
-        stretch = make_scan_schedule(spec, sizes, seg, threads, max_threads=256).seg
+        stretch = make_scan_schedule(spec, sizes, seg, threads, max_threads=256,
+                                     map_floats=scan_map_floats(rec.affine)).seg
         ckpt = per_lane * -(-L // stretch)
         return floor, (floor[0] + ckpt, floor[1] + ckpt)
     if schedule == "chunked":

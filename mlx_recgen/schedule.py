@@ -317,11 +317,18 @@ def scan_run(spec: Spec) -> int:
     return run
 
 
+def scan_map_floats(form) -> int:
+    """Floats of one affine map of a lane (the scan composes them): per block of ``K`` slots
+    ``K x K`` multiplier entries and ``K`` offsets."""
+    return sum(b.size * b.size + b.size for b in form.blocks)
+
+
 def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
-                       max_threads: int = MAX_THREADS) -> Schedule:
+                       max_threads: int = MAX_THREADS, map_floats: int = 2) -> Schedule:
     """The scan schedule of a call: ``run`` steps per thread, ``threads`` per group (chosen:
-    ``SCAN_THREADS``, at most ``max_threads``), lane blocks narrowed as ``SCAN_TARGET_GROUPS``
-    asks; ``seg`` is the stretch ``threads / LB * run``."""
+    ``SCAN_THREADS``, at most ``max_threads``, halved until the two buffers of simdgroup totals,
+    ``2 x TG / 32 x map_floats x LB`` floats, fit in threadgroup memory), lane blocks narrowed
+    as ``SCAN_TARGET_GROUPS`` asks; ``seg`` is the stretch ``threads / LB * run``."""
     if threads is None:
         tg = min(SCAN_THREADS, max_threads)
     elif not isinstance(threads, int) or threads < 32 or threads % 32 or threads > MAX_THREADS:
@@ -335,6 +342,12 @@ def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
     while block > SCAN_MIN_LANE_BLOCK and instances * -(-sizes[spec.lane] // block) \
             < SCAN_TARGET_GROUPS:
         block //= 2
+    while 2 * (tg // 32) * map_floats * block > MAX_SHARED_FLOATS:
+        if threads is not None:
+            raise ValueError(f"{spec.name}: threads={threads} needs more than {MAX_SHARED_BYTES} "
+                             f"bytes of threadgroup memory for the scan's totals ({map_floats} "
+                             "floats per map); pass a smaller threads=")
+        tg //= 2
     return Schedule(seg=tg // block * run, threads=tg,
                     groups_per_instance=-(-sizes[spec.lane] // block), lane_reduction=False,
                     history="registers", state_size=1, kind="scan", lane_block=block, run=run)

@@ -202,6 +202,18 @@ def test_scan_lane_blocks_narrow_for_few_instances():
     assert fewer.lane_block == 8 and fewer.groups_per_instance == 96
 
 
+def test_scan_totals_fit_in_threadgroup_memory():
+    """Two buffers of simdgroup totals, 2 x TG / 32 x map floats x LB: a 4x4 block's maps (20
+    floats) in lane blocks of 32 halve the chosen 256 threads to 128 (40 KiB to 20 KiB); asked
+    for, too many threads raise."""
+    spec = rg.load_spec("rglru").spec
+    sizes = {"B": 8, "L": 64, "D": 1024}
+    assert make_scan_schedule(spec, sizes, 16, map_floats=2).threads == 256
+    assert make_scan_schedule(spec, sizes, 16, map_floats=20).threads == 128
+    with pytest.raises(ValueError, match="threadgroup memory"):
+        make_scan_schedule(spec, sizes, 16, threads=256, map_floats=20)
+
+
 # -- CUDA text --------------------------------------------------------------------------------
 
 

@@ -48,8 +48,8 @@ from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
 from ..render.scan import ScanRenderer, grad_type_name
-from ..schedule import (MetaLayout, history_rows, make_scan_schedule, make_schedule, scan_misfit,
-                        scan_run)
+from ..schedule import (MetaLayout, history_rows, make_scan_schedule, make_schedule,
+                        scan_map_floats, scan_misfit, scan_run)
 
 
 def _dtype_name(d) -> str:
@@ -177,8 +177,9 @@ class KernelBackend:
         # memoised: a decode step (L = 1) is dominated by such fixed costs per call
         key = (tuple(sorted(sizes.items())), seg, threads, kind, split, sweep)
         if key not in self._schedules and kind == "scan":  # seg: the run of one thread
-            self._schedules[key] = make_scan_schedule(self.rec.spec, sizes, seg, threads,
-                                                      max_threads=self.dialect.max_threads)
+            self._schedules[key] = make_scan_schedule(
+                self.rec.spec, sizes, seg, threads, max_threads=self.dialect.max_threads,
+                map_floats=scan_map_floats(self.rec.affine))
         if key not in self._schedules:
             self._schedules[key] = make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
                                                  max_threads=self.dialect.max_threads,
