@@ -1,6 +1,6 @@
 """Kernel schedules: how a call maps onto GPU threads, and the runtime values a kernel reads.
 
-Two schedules, chosen in one place (``choose``):
+Three kernel schedules, chosen in one place (``choose``; ``matrix`` runs MLX ops):
 
 * ``sequential``: one thread per (instance, lane) walks all ``L`` steps, writing a checkpoint
   every ``seg`` steps; the backward walks segments newest first. Any recurrence.
@@ -11,6 +11,11 @@ Two schedules, chosen in one place (``choose``):
   and writes the outputs. The backward mirrors it: local adjoints per segment, a carry of ``λ``
   with the transposed multipliers, then every segment sweeps its adjoint and writes the
   gradients (``render/chunked.py``).
+* ``scan``: for state-affine recurrences without a state axis (``scan_misfit``), one kernel per
+  pass that reads every input once: a threadgroup per (instance, block of lanes) walks time in
+  stretches, each thread a run of ``seg`` steps held in registers, the runs' affine maps
+  composed through shuffles and one threadgroup pass, the state carried from stretch to
+  stretch (``render/scan.py``, docs/scan.md).
 
 Mapping: one thread per (instance, lane). The lanes of one instance are padded to a multiple of
 32, then split into ``groups_per_instance`` threadgroups of ``TG`` threads; grid x counts all of
@@ -60,7 +65,7 @@ def members(group_axis: str) -> tuple:
     return ("members", group_axis)
 
 
-SCHEDULES = ("auto", "sequential", "chunked", "matrix")
+SCHEDULES = ("auto", "sequential", "chunked", "matrix", "scan")
 SEQUENTIAL_SEG = 32
 # The chunked schedule wants enough (segment, instance, lane) threads to fill a large GPU, and
 # segments short enough that a thread's recomputed segment stays in thread-private memory.
@@ -110,12 +115,19 @@ class Schedule:
     lane_reduction: bool  # some gradient is reduced over lanes
     history: str  # "registers" | "scratch"
     state_size: int  # NS (1 without a state axis)
-    kind: str = "sequential"  # | "chunked"
+    kind: str = "sequential"  # | "chunked" | "scan"
     time_rounds: bool = False  # per-step lane reductions in rounds inside the state loop
     stage_steps: int = 0  # TILE: steps of the lane-shared inputs staged at once (0: none)
     stage_floats: int = 0  # floats of lane-shared inputs per step
     lane_chunk: int = 1  # LC: values of a thread summed over lanes at once (see lane_chunk)
     parts: int = 1  # PARTS: threads per lane, each holding NS / PARTS of the state (split)
+    lane_block: int = 32  # LB: lanes of a threadgroup (scan; ``seg`` is then its stretch)
+    run: int = 1  # RUN: consecutive steps of one thread (scan)
+
+    @property
+    def time_threads(self) -> int:
+        """Threads along time of one lane (the scan schedule; 1 otherwise)."""
+        return self.threads // self.lane_block if self.kind == "scan" else 1
 
     @property
     def simdgroups(self) -> int:
@@ -138,6 +150,9 @@ class Schedule:
         return self.reduction_floats // (self.simdgroups + 1)
 
     def template(self):
+        if self.kind == "scan":
+            return [("STRETCH", self.seg), ("TG", self.threads), ("LB", self.lane_block),
+                    ("RUN", self.run)]
         return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads),
                 ("TILE", self.stage_steps), ("LC", self.lane_chunk), ("PARTS", self.parts)]
 
@@ -214,7 +229,11 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     kernels beat its MLX-op form (``benchmarks/results/bench-matrix-*``). ``chunked`` on a
     recurrence that is not state-affine, and ``matrix`` on one without the matrix form
     (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
-    interval, which is also the chunk length) is chosen when not given; it may exceed ``L``."""
+    interval, which is also the chunk length) is chosen when not given; it may exceed ``L``.
+
+    ``scan`` (never picked by ``auto`` yet) needs ``scan_misfit`` to find nothing; its ``seg``
+    is the run of steps of one thread (``scan_run``). On the ``mlx`` backend it runs the
+    chunked form."""
     spec = rec.spec
     if requested not in SCHEDULES:
         raise ValueError(f"{spec.name}(): schedule must be one of {SCHEDULES}, got {requested!r}")
@@ -225,6 +244,15 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         if not form.time_parallel:
             raise ValueError(f"{spec.name}(): schedule='chunked' needs a state-affine recurrence, "
                              f"and {form.reason}; use schedule='sequential'")
+    if requested == "scan":
+        misfit = scan_misfit(rec)
+        if misfit:
+            raise ValueError(f"{spec.name}(): schedule='scan' needs a state-affine recurrence "
+                             f"with a few floats of state per lane, and {misfit}; use "
+                             "schedule='chunked' or 'sequential'")
+        if not kernels:  # the pure-MLX backend runs its chunked form (docs/scan.md)
+            return "chunked", min(seg or mlx_chunk_length(spec, sizes), L)
+        return "scan", min(seg or scan_run(spec), L)
     if requested == "matrix":
         if not rec.matrix.applies:
             raise ValueError(f"{spec.name}(): schedule='matrix' needs the matrix form, and "
@@ -248,6 +276,92 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     # ``meta``), so short calls of any length share one set of kernels instead of compiling a
     # kernel per length.
     return kind, seg
+
+
+# The scan schedule (docs/scan.md): a threadgroup owns LB lanes of one instance and walks all
+# of time in stretches of TG / LB threads x RUN steps. Lane blocks narrow from 32 to
+# SCAN_MIN_LANE_BLOCK lanes while instances x blocks give fewer than SCAN_TARGET_GROUPS groups
+# (a block of 8 fp32 lanes is one 32-byte sector per step).
+SCAN_THREADS = 256
+SCAN_TARGET_GROUPS = 256
+SCAN_MIN_LANE_BLOCK = 8
+# A thread keeps its run's inputs, cotangents and recomputed states in registers: RUN x the
+# floats per step up to this many; RUN at most SCAN_MAX_RUN.
+SCAN_RUN_FLOATS = 64
+SCAN_MAX_RUN = 16
+SCAN_MAX_BLOCK = 4  # the largest multiplier block (K x K) the scan composes
+
+
+def scan_misfit(rec) -> str:
+    """Why ``schedule="scan"`` cannot run the recurrence ("" when it can): it needs a
+    state-affine update (``affine.analyse``) with no state axis, blocks of at most
+    ``SCAN_MAX_BLOCK`` slots, and every input and state along the lane axis (no gradient is
+    reduced over lanes)."""
+    spec, form = rec.spec, rec.affine
+    if not form.time_parallel:
+        return form.reason
+    if spec.state_axis is not None:
+        return f"it has the state axis '{spec.state_axis}' (per lane a state of NS floats)"
+    big = [b for b in form.blocks if b.size > SCAN_MAX_BLOCK]
+    if big:
+        return f"a multiplier block has {big[0].size} slots (at most {SCAN_MAX_BLOCK})"
+    shared = [t.name for t in [*spec.inputs.values(), *spec.states.values()] if not t.has_lane]
+    if shared:
+        return f"'{shared[0]}' has no lane axis '{spec.lane}' (a gradient reduced over lanes)"
+    return ""
+
+
+def scan_step_floats(spec: Spec) -> int:
+    """Floats per step a backward thread keeps in registers: inputs with the time axis,
+    output cotangents and the recomputed states."""
+    return (sum(t.components for t in spec.inputs.values() if t.has_time)
+            + sum(t.components for t in spec.outputs.values())
+            + sum(t.components for t in spec.states.values()))
+
+
+def scan_run(spec: Spec) -> int:
+    """``RUN``: the largest power of two up to ``SCAN_MAX_RUN`` whose steps keep at most
+    ``SCAN_RUN_FLOATS`` floats in a thread's registers (``scan_step_floats``)."""
+    run = 1
+    while run * 2 <= SCAN_MAX_RUN and run * 2 * scan_step_floats(spec) <= SCAN_RUN_FLOATS:
+        run *= 2
+    return run
+
+
+def scan_map_floats(form) -> int:
+    """Floats of one affine map of a lane (the scan composes them): per block of ``K`` slots
+    ``K x K`` multiplier entries and ``K`` offsets."""
+    return sum(b.size * b.size + b.size for b in form.blocks)
+
+
+def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
+                       max_threads: int = MAX_THREADS, map_floats: int = 2) -> Schedule:
+    """The scan schedule of a call: ``run`` steps per thread, ``threads`` per group (chosen:
+    ``SCAN_THREADS``, at most ``max_threads``, halved until the two buffers of simdgroup totals,
+    ``2 x TG / 32 x map_floats x LB`` floats, fit in threadgroup memory), lane blocks narrowed
+    as ``SCAN_TARGET_GROUPS`` asks; ``seg`` is the stretch ``threads / LB * run``."""
+    if threads is None:
+        tg = min(SCAN_THREADS, max_threads)
+    elif not isinstance(threads, int) or threads < 32 or threads % 32 or threads > MAX_THREADS:
+        raise ValueError(f"threads must be a multiple of 32 in [32, {MAX_THREADS}], got {threads!r}")
+    else:
+        tg = threads
+    instances = 1
+    for b in spec.batch_axes:
+        instances *= sizes[b]
+    block = 32
+    while block > SCAN_MIN_LANE_BLOCK and instances * -(-sizes[spec.lane] // block) \
+            < SCAN_TARGET_GROUPS:
+        block //= 2
+    while 2 * (tg // 32) * map_floats * block > MAX_SHARED_FLOATS:
+        if threads is not None:
+            raise ValueError(f"{spec.name}: threads={threads} needs more than {MAX_SHARED_BYTES} "
+                             f"bytes of threadgroup memory for the scan's totals ({map_floats} "
+                             "floats per map); pass a smaller threads=")
+        tg //= 2
+    return Schedule(seg=tg // block * run, threads=tg,
+                    groups_per_instance=-(-sizes[spec.lane] // block), lane_reduction=False,
+                    history="registers", state_size=1, kind="scan", lane_block=block, run=run)
 
 
 def _lane_width(spec: Spec, sizes: dict) -> int:
@@ -450,6 +564,8 @@ class MetaLayout:
         missing batch axes."""
         segments = ((-(-sizes[self.spec.time] // schedule.seg),)
                     if schedule.kind == "chunked" and not t.has_time else ())
+        if schedule.kind == "scan" and not t.has_time:  # one partial sum per time-thread
+            segments = (schedule.time_threads,)
         groups = (schedule.groups_per_instance,) if schedule.lane_partials and not t.has_lane else ()
         group_members = tuple(sizes[self.spec.groups[g]] // sizes[g]
                               for g in self.grad_members[t.name])

@@ -23,6 +23,13 @@ Chunked schedule (three kernels per pass, ``render/chunked.py``):
             ->  d_<state>_init..., <state>_lamend...
   gradients: inputs..., <state>_ckpt..., d_<output>..., <state>_lamend..., meta  ->  d_<input>...
 
+Scan schedule (one kernel per pass, ``render/scan.py``; the buffers of the sequential schedule,
+with one checkpoint per stretch and no scratch):
+
+  forward:  inputs..., <state>_init..., meta  ->  outputs..., <state>_final..., <state>_ckpt...
+  backward: inputs..., <state>_ckpt..., d_<output>..., d_<state>_final..., meta
+            ->  d_<input>..., d_<state>_init...
+
 Buffer names are spelled through ``render.names`` (``u_`` + the spec's name). ``d_<input>``
 exists for differentiable inputs only (bool and integer inputs get none). A shared state (without
 the lane axis) has one lane in the buffers of its values (``_ckpt``, the forward's ``_local``) and
@@ -42,7 +49,9 @@ from ..render.chunked import ChunkedRenderer
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
-from ..schedule import MetaLayout, history_rows, make_schedule
+from ..render.scan import ScanRenderer, grad_type_name
+from ..schedule import (MetaLayout, history_rows, make_scan_schedule, make_schedule,
+                        scan_map_floats, scan_misfit, scan_run)
 
 
 # Sizes of the memos: kernels by (kind, schedule, dtypes) — a schedule holds the bucketed
@@ -99,6 +108,7 @@ class KernelBackend:
         self._kernels = LRU(KERNELS_KEPT)  # (kind, schedule, dtypes) -> compiled kernel
         self._schedules = LRU(SHAPES_KEPT)  # (sizes, seg, threads, kind, split, sweep) -> Schedule
         self._metas = LRU(SHAPES_KEPT)  # (sizes, schedule) -> the runtime-values array
+        self.scan = ScanPasses(self)
 
     # -- names -----------------------------------------------------------------------------------
     def buffers(self, kind, schedule) -> _Buffers:
@@ -145,7 +155,10 @@ class KernelBackend:
 
     def render(self, kind, schedule, dtypes_text):
         """(body, header) of a kernel."""
-        if schedule.kind == "chunked":
+        if schedule.kind == "scan":
+            r = ScanRenderer(self.rec, self.dialect, schedule, self.ids)
+            body = r.forward() if kind == "forward" else r.backward()
+        elif schedule.kind == "chunked":
             r = ChunkedRenderer(self.rec, self.dialect, schedule, self.ids)
             body = {"summary": r.summary, "carry": lambda: r.carry(reverse=False),
                     "outputs": r.forward, "local_adjoint": lambda: r.backward(lambda_only=True),
@@ -173,9 +186,15 @@ class KernelBackend:
     def _schedule(self, sizes, seg, threads, kind="sequential", split=None, sweep="forward"):
         # memoised: a decode step (L = 1) is dominated by such fixed costs per call
         key = (tuple(sorted(sizes.items())), seg, threads, kind, split, sweep)
-        return self._schedules.get_or_build(key, lambda: make_schedule(
-            self.rec.spec, sizes, seg, threads, kind=kind, max_threads=self.dialect.max_threads,
-            split=split, sweep=sweep))
+        def build():
+            if kind == "scan":  # seg: the run of one thread
+                return make_scan_schedule(self.rec.spec, sizes, seg, threads,
+                                          max_threads=self.dialect.max_threads,
+                                          map_floats=scan_map_floats(self.rec.affine))
+            return make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
+                                 max_threads=self.dialect.max_threads, split=split, sweep=sweep)
+
+        return self._schedules.get_or_build(key, build)
 
     def _launch(self, sizes, schedule, outer=1):
         """(instances, grid, threadgroup): one thread per (instance, lane), times ``outer`` for
@@ -249,6 +268,8 @@ class KernelBackend:
     # -- passes ----------------------------------------------------------------------------------
     def forward(self, inputs, states, sizes, seg, out_dtype, threads=None, split=None,
                 schedule="sequential"):
+        if schedule == "scan":
+            return self.scan.forward(inputs, states, sizes, seg, out_dtype, threads)
         if schedule == "chunked":
             return self._forward_chunked(inputs, states, sizes, seg, out_dtype, threads, split)
         spec = self.rec.spec
@@ -270,6 +291,9 @@ class KernelBackend:
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg, threads=None,
                  split=None, schedule="sequential"):
+        if schedule == "scan":
+            return self.scan.backward(inputs, states, residuals, d_outputs, d_finals, sizes, seg,
+                                      threads)
         if schedule == "chunked":
             return self._backward_chunked(inputs, states, residuals, d_outputs, d_finals, sizes,
                                           seg, threads, split)
@@ -360,6 +384,68 @@ class KernelBackend:
         return grads, self._finish_d_init(d_init, states)
 
 
+class ScanPasses:
+    """The scan schedule's passes on a kernel backend: one kernel each (``render/scan.py``).
+    ``run`` (the call's ``seg``) is the steps of one thread; the residuals are the states
+    entering every stretch."""
+
+    def __init__(self, backend: KernelBackend):
+        self.backend = backend
+
+    def schedule(self, sizes, run, threads=None):
+        return self.backend._schedule(sizes, run, threads, kind="scan")
+
+    def forward(self, inputs, states, sizes, run, out_dtype, threads=None):
+        """(outputs, final states, checkpoints)."""
+        b, spec = self.backend, self.backend.rec.spec
+        sch = self.schedule(sizes, run, threads)
+        instances, grid, group = b._launch(sizes, sch)
+        dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
+        shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
+        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
+        shapes += [b._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
+        n_out, n_state = len(spec.outputs), len(spec.states)
+        results = b.kernel("forward", sch, dtypes)(
+            inputs=[*map(_as_buffer, inputs), *states, b._meta(sizes, sch)],
+            template=[*sch.template(), ("OutT", out_dtype)], grid=grid, threadgroup=group,
+            output_shapes=shapes,
+            output_dtypes=[out_dtype] * n_out + [mx.float32] * (2 * n_state))
+        return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
+                list(results[n_out + n_state:]))
+
+    def backward(self, inputs, states, ckpts, d_outputs, d_finals, sizes, run, threads=None):
+        """(gradients of the differentiable inputs, gradients of the initial states)."""
+        b, spec = self.backend, self.backend.rec.spec
+        sch = self.schedule(sizes, run, threads)
+        _, grid, group = b._launch(sizes, sch)
+        dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+        shapes = [b.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+        shapes += b._d_init_shapes(sizes)
+        grad_dtypes = self.grad_dtypes({n: x.dtype for n, x in zip(spec.inputs, inputs)},
+                                       sizes, sch)
+        results = b.kernel("backward", sch, dtypes)(
+            inputs=[*map(_as_buffer, inputs), *ckpts, *d_outputs,
+                    *[g.astype(mx.float32) for g in d_finals], b._meta(sizes, sch)],
+            template=[*sch.template(), *self.grad_template(grad_dtypes)], grid=grid,
+            threadgroup=group, output_shapes=shapes,
+            output_dtypes=grad_dtypes + [mx.float32] * (len(shapes) - len(grad_dtypes)))
+        n_in = len(_differentiable(spec))
+        grads = b._finish_grads(inputs, results[:n_in], sizes, sch)
+        return grads, b._finish_d_init(results[n_in:], states)
+
+    def grad_dtypes(self, dtypes: dict, sizes, sch) -> list:
+        """The dtype of each differentiable input's gradient buffer: the input's own where the
+        kernel writes the whole gradient (no lead axis to sum after it: no cast pass over it),
+        else float32."""
+        meta = self.backend.meta
+        return [dtypes[t.name] if not meta.grad_lead(t, sizes, sch) else mx.float32
+                for t in _differentiable(self.backend.rec.spec).values()]
+
+    @staticmethod
+    def grad_template(grad_dtypes) -> list:
+        return [(grad_type_name(i), d) for i, d in enumerate(grad_dtypes)]
+
+
 def _differentiable(spec) -> dict:
     """The inputs that get a gradient (floating point ones; see ``Spec.without_gradients``)."""
     return {k: t for k, t in spec.inputs.items() if t.differentiable}
@@ -379,25 +465,32 @@ def _input_info(dtype, t):
 
 SEQUENTIAL_KERNELS = ("forward", "backward")
 CHUNKED_KERNELS = ("summary", "carry", "outputs", "local_adjoint", "adjoint_carry", "gradients")
+SCAN_KERNELS = ("forward", "backward")
 
 
-def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, lanes=64,
+def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16, lanes=64,
                   threads=None, schedule="sequential", split=None):
     """The full text of a kernel as the backend compiles it (MLX's generated signature included),
     for inputs of ``dtype`` (one dtype, or a dict by input name) and the schedule those sizes
-    give. ``kind`` names a kernel of the schedule: ``SEQUENTIAL_KERNELS`` or ``CHUNKED_KERNELS``.
+    give. ``kind`` names a kernel of the schedule: ``SEQUENTIAL_KERNELS``, ``CHUNKED_KERNELS`` or
+    ``SCAN_KERNELS``; ``seg`` defaults to 32 (the scan: ``scan_run``, its steps per thread).
     Group axes get size 2 and the axes they group 4."""
     from .mlx_source import cuda_source, metal_source
 
     if backend not in ("metal", "cuda", "metal-sim"):
         raise ValueError(f"backend must be 'metal', 'cuda' or 'mlx', got {backend!r}")
-    kinds = {"sequential": SEQUENTIAL_KERNELS, "chunked": CHUNKED_KERNELS}.get(schedule)
+    kinds = {"sequential": SEQUENTIAL_KERNELS, "chunked": CHUNKED_KERNELS,
+             "scan": SCAN_KERNELS}.get(schedule)
     if kinds is None:
-        raise ValueError(f"schedule must be 'sequential' or 'chunked', got {schedule!r}")
+        raise ValueError(f"schedule must be 'sequential', 'chunked' or 'scan', got {schedule!r}")
     if kind not in kinds:
         raise ValueError(f"the {schedule} schedule's kernels are {kinds}, got {kind!r}")
     if schedule == "chunked" and not rec.time_parallel:
         raise ValueError(f"{rec.name} has no chunked kernels: {rec.affine.reason}")
+    if schedule == "scan" and scan_misfit(rec):
+        raise ValueError(f"{rec.name} has no scan kernels: {scan_misfit(rec)}")
+    if seg is None:
+        seg = scan_run(rec.spec) if schedule == "scan" else 32
     spec = rec.spec
     dtypes = dtype if isinstance(dtype, dict) else {n: dtype for n in spec.inputs}
     floats = [d for d in dtypes.values() if d in (mx.float32, mx.float16, mx.bfloat16)]
@@ -432,6 +525,10 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=32, state_size=16, l
     outputs = {ids["buffer", t] for t in spec.outputs}
     out_dtypes = [dtype if n in outputs else mx.float32 for n in names.outputs]
     template = sch.template()
+    if schedule == "scan" and kind == "backward":
+        grad_dtypes = impl.scan.grad_dtypes(dtypes, sizes, sch)
+        out_dtypes[:len(grad_dtypes)] = grad_dtypes
+        template = [*template, *impl.scan.grad_template(grad_dtypes)]
     if kind in ("forward", "outputs"):
         template = [*template, ("OutT", dtype)]
     # the dtypes a kernel's header names, as the passes above name them at a call (the kernel's

@@ -1,0 +1,288 @@
+"""Render the kernels of the scan schedule (see ``schedule.make_scan_schedule``, docs/scan.md).
+
+For state-affine specs without a state axis (a few floats of state per lane), two kernels that
+read every input once and write every output once:
+
+forward   one threadgroup per (instance, block of ``LB`` lanes) walks all of time in stretches
+          of ``STRETCH = TG / LB * RUN`` steps, oldest first. In a stretch, thread
+          ``(j, lane)`` loads its run of ``RUN`` consecutive steps into registers and
+          summarises it as an affine map ``h -> P h + s`` (the segment summary of
+          ``affine.segment_summary``: ``s`` from a zero state, ``P`` the composed multiplier).
+          The maps compose through a butterfly of shuffles over the time-threads of a
+          simdgroup (an exclusive prefix and a total per thread), then one threadgroup pass:
+          every thread applies the simdgroups' totals to the carried state in time order,
+          which gives the state entering its simdgroup and the stretch's end state (carried to
+          the next stretch). The run reruns from its start state out of its registers, writing
+          outputs; the state entering each stretch is the only residual (``_ckpt``).
+backward  the same walk, newest stretch first: from the stretch's checkpoint the forward
+          composition gives each run's start state, the run's states are recomputed into
+          registers, the run's local adjoint (``λ`` swept from zero with the adjoint's ``λ``
+          statements only) and ``Pᵀ`` form the adjoint map ``λ_end -> Pᵀ λ_end + local``,
+          which composes in reverse time order the same way; then the full adjoint sweep of
+          each run writes the gradients, in the dtype of the gradient buffer (template types
+          ``GradT<i>``: the input's dtype where nothing is summed after the kernel). Gradients
+          of inputs without the time axis are summed over a run's steps in registers and
+          written once per time-thread (a lead axis summed after the kernel, in fp32).
+
+A map is stored field by field: per multiplier block ``b`` its entries ``a<b>_<i><j>``, per
+state slot ``k`` its offset ``v<k>``. Threadgroup memory holds two passes' totals,
+``totals[((pass * SIMDS + simdgroup) * MAPF + field) * LB + lane in block]``.
+"""
+
+from __future__ import annotations
+
+from ..ir import free_symbols, prune
+from ..schedule import SEGMENTS, members
+from ..spec import Slot
+from .kernels import KernelRenderer, StepWriter, _commit_state, _without_outputs, environment
+from .names import program_symbols
+
+
+def grad_type_name(index: int) -> str:
+    """The template type of the gradient buffer of the ``index``-th differentiable input."""
+    return f"GradT{index}"
+
+
+class ScanRenderer(KernelRenderer):
+    """Template contexts of the scan schedule's two kernels."""
+
+    def __init__(self, rec, dialect, schedule, ids=None):
+        super().__init__(rec, dialect, schedule, ids)
+        self.form = rec.affine
+        self.products = rec.segment_summary.products
+        ids = self.names.ids
+        for p in self.products:  # product registers are state-like: spelled as states are
+            ids.add(("state", p.symbol), f"{p.symbol}_s")
+        self.slots = list(self.spec.state_slots())
+        for s in self.slots:
+            ids.add(("hist", self.spec.symbols[s]), f"{self.spec.symbols[s]}_hist")
+
+    # -- maps ------------------------------------------------------------------------------------
+    def fields(self) -> list:
+        """The fields of a map, in their order in threadgroup memory."""
+        out = []
+        for b, block in enumerate(self.form.blocks):
+            out += [f"a{b}_{i}{k}" for i in range(block.size) for k in range(block.size)]
+        return out + [f"v{k}" for k in range(len(self.slots))]
+
+    def _blocks(self):
+        """(block index, size, the slots' indices in ``self.slots``) of each block."""
+        return [(b, block.size, [self.slots.index(s) for s in block.slots])
+                for b, block in enumerate(self.form.blocks)]
+
+    def _compose(self, dst, x, y) -> list:
+        """``dst = x ∘ y`` (``y`` first): ``A = A_x A_y``, ``v = A_x v_y + v_x``; ``x`` and ``y``
+        map a field to a C expression, ``dst`` is a prefix of registers."""
+        lines, assign = [], []
+        for b, size, idx in self._blocks():
+            for i in range(size):
+                for k in range(size):
+                    terms = " + ".join(f"{x(f'a{b}_{i}{m}')} * {y(f'a{b}_{m}{k}')}"
+                                       for m in range(size))
+                    lines.append(f"const float c_a{b}_{i}{k} = {terms};")
+                    assign.append(f"{dst}_a{b}_{i}{k} = c_a{b}_{i}{k};")
+                terms = " + ".join(f"{x(f'a{b}_{i}{m}')} * {y(f'v{idx[m]}')}" for m in range(size))
+                lines.append(f"const float c_v{idx[i]} = {terms} + {x(f'v{idx[i]}')};")
+                assign.append(f"{dst}_v{idx[i]} = c_v{idx[i]};")
+        return ["{", *("  " + x for x in lines + assign), "}"]
+
+    def _apply(self, m, src, dst) -> list:
+        """``dst = m(src)``: ``h_i <- Σ_k A_ik h_k + v_i`` per block; ``src`` and ``dst`` list
+        a C lvalue per slot (they may be the same registers)."""
+        lines, assign = [], []
+        for b, size, idx in self._blocks():
+            for i in range(size):
+                terms = " + ".join(f"{m(f'a{b}_{i}{k}')} * {src[idx[k]]}" for k in range(size))
+                lines.append(f"const float n_{idx[i]} = {terms} + {m(f'v{idx[i]}')};")
+                assign.append(f"{dst[idx[i]]} = n_{idx[i]};")
+        return ["{", *("  " + x for x in lines + assign), "}"]
+
+    def _pass(self, own: dict, pass_index: int) -> dict:
+        """Context of one composition pass (``scan_pass.j2``) over the maps ``own`` (field ->
+        C expression of this thread's run map)."""
+        fields = self.fields()
+        reg = lambda prefix: (lambda f: f"{prefix}_{f}")  # noqa: E731
+        def shared(f, g="g"):
+            return f"totals[(({pass_index} * SIMDS + {g}) * MAPF + {fields.index(f)}) * LB + lb]"
+
+        identity = {f: ("1.0f" if f.startswith("a") and f[-1] == f[-2] else "0.0f") for f in fields}
+        declare = [f"float T_{f} = {own[f]};" for f in fields]
+        declare += [f"float E_{f} = {identity[f]};" for f in fields]
+        shuffle = [f"const float Q_{f} = {self.d.simd_shuffle_xor}(T_{f}, mask);" for f in fields]
+        # a partner earlier in the pass's order: E <- E ∘ Q, T <- T ∘ Q; later: T <- Q ∘ T
+        butterfly = (shuffle + ["if (earlier) {"]
+                     + ["  " + x for x in self._compose("E", reg("E"), reg("Q"))]
+                     + ["  " + x for x in self._compose("T", reg("T"), reg("Q"))]
+                     + ["} else {"]
+                     + ["  " + x for x in self._compose("T", reg("Q"), reg("T"))] + ["}"])
+        publish = [f"{shared(f, 'int(simd_group)')} = T_{f};" for f in fields]
+        carry = [f"carry_{k}" for k in range(len(self.slots))]
+        start = [f"start_{k}" for k in range(len(self.slots))]
+        return dict(index=pass_index, declare=declare, butterfly=butterfly, publish=publish,
+                    starts=start, pairs=list(zip(carry, start)),
+                    advance=self._apply(shared, carry, carry),
+                    enter=self._apply(reg("E"), start, self._registers()))
+
+    def _registers(self) -> list:
+        """The state register of every slot (forward: the state; backward: ``λ``)."""
+        return [self.names[("state", self.spec.symbols[s])] for s in self.slots]
+
+    # -- shared pieces ---------------------------------------------------------------------------
+    def _writer(self, programs):
+        """A step writer whose inputs and cotangents come from this run's registers (``[r]``),
+        and the loads that fill those registers: (register, global source) each. Inputs
+        without the time axis are read where a step reads them (the same address every step)."""
+        nm = self.names
+        writer = StepWriter(self.rec, self.d, nm)
+        spec = self.spec
+        timeless = {sym for slot, sym in spec.symbols.items()
+                    if slot.tensor in spec.inputs and not spec.inputs[slot.tensor].has_time}
+        read = set().union(*(free_symbols(p.statements) for p in programs))
+        runs = []
+        for sym in sorted((set(writer.scalar_loads) & read) - timeless, key=str):
+            source, _ = writer.scalar_loads[sym]
+            reg = nm.ids.add(("run", sym), f"{sym}_run")
+            runs.append(dict(reg=reg, source=source, sym=sym))
+            writer.scalar_loads[sym] = (f"{reg}[r]", None)
+        return writer, runs
+
+    def _summary(self, writer):
+        """Lines of the run summary: registers from zero / the identity, and one step."""
+        spec, nm = self.spec, self.names
+        program = self.rec.segment_summary.program
+        regs = {s: nm[("state", spec.symbols[s])] for s in self.slots}
+        for p in self.products:
+            regs[p.slot] = nm[("state", p.symbol)]
+            writer.names[p.symbol] = regs[p.slot]
+        for sym in program_symbols(program):
+            if sym not in writer.names:
+                writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
+
+        def route(store, value, in_loop, pad):
+            return [], [f"{pad}{regs[store.slot]} = {value};"]
+
+        init = [f"{regs[s]} = 0.0f;" for s in self.slots]
+        init += [f"float {regs[p.slot]} = {'1.0f' if p.row == p.col else '0.0f'};"
+                 for p in self.products]
+        own = {}
+        for p in self.products:
+            own[f"a{p.block}_{p.row}{p.col}"] = regs[p.slot]
+        for k, s in enumerate(self.slots):
+            own[f"v{k}"] = regs[s]
+        return dict(init=init, loads=writer.step_loads(program, "        "),
+                    step=writer.program(program, route, "        ")), own
+
+    def _states(self):
+        spec, nm = self.spec, self.names
+        out = []
+        for k, s in enumerate(self.slots):
+            t, c = spec.states[s.tensor], s.component
+            sym = spec.symbols[s]
+            out.append(dict(reg=nm[("state", sym)], carry=f"carry_{k}", lam_carry=f"lam_carry_{k}",
+                            hist=nm[("hist", sym)],
+                            init=nm[("init", t.name)], final=nm[("final", t.name)],
+                            d_final=nm[("d_final", t.name)], d_init=nm[("d_init", t.name)],
+                            offset=nm[("base", t.name)] + nm.terms(t, c),
+                            d_init_offset=self.d_init_offset(t, c),
+                            ckpt_buffer=nm[("ckpt", t.name)],
+                            ckpt=self.ckpt_offset(t, c, segment="k")))
+        return out
+
+    def _context(self, kind):
+        ctx = self._common(kind)
+        ctx.update(map_floats=len(self.fields()), scan_states=self._states())
+        return ctx
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self):
+        spec, nm = self.spec, self.names
+        prog = self.rec.forward_program
+        writer, runs = self._writer([prog, self.rec.segment_summary.program])
+        summary, own = self._summary(writer)
+        commit = _commit_state(spec, nm)
+
+        def route(store, value, in_loop, pad):
+            if store.kind == "state":
+                return commit(store, value, in_loop, pad)
+            t = spec.outputs[store.slot.tensor]
+            target = (f"{nm[('buffer', t.name)]}[{nm[('base', t.name)]}"
+                      f"{nm.terms(t, store.slot.component, time=True)}]")
+            return [f"{pad}if (lane_ok) {{ {target} = static_cast<OutT>({value}); }}"], []
+
+        ctx = self._context("forward")
+        # stretches alternate between two buffers of totals: one barrier per stretch
+        ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, "int(k & 1)"),
+                   loads=writer.step_loads(prog, "        "),
+                   step=writer.program(prog, route, "        "))
+        return environment().get_template("scan_forward.j2").render(**ctx)
+
+    # -- backward --------------------------------------------------------------------------------
+    def backward(self):
+        spec, d, nm = self.spec, self.d, self.names
+        adj = self.rec.adjoint
+        writer, runs = self._writer([adj.program, self.rec.forward_program,
+                                     self.rec.segment_summary.program])
+        summary, own = self._summary(writer)
+        lam_regs = {s: nm[("sym", sym)] for s, sym in adj.state_cotangents.items()}
+
+        def grad_target(t, c, with_time):
+            return (f"{nm[('d', t.name)]}[{nm[('d_base', t.name)]}"
+                    f"{nm.terms(t, c, time=with_time)}]")
+
+        accumulators = []
+        differentiable = [t for t in spec.inputs.values() if t.differentiable]
+        for i, t in enumerate(differentiable):
+            if not t.has_time:
+                for c in range(t.components):
+                    accumulators.append(dict(name=nm[("acc", spec.symbols[Slot(t.name, c)])],
+                                             target=grad_target(t, c, False),
+                                             type=grad_type_name(i)))
+
+        grad_type = {t.name: grad_type_name(i) for i, t in enumerate(differentiable)}
+
+        def route(store, value, in_loop, pad):
+            if store.kind == "lambda":
+                return [], [f"{pad}{lam_regs[store.slot]} = {value};"]
+            t, c = spec.inputs[store.slot.tensor], store.slot.component
+            if t.has_time:  # in the gradient buffer's dtype (the input's, see ScanPasses)
+                target = grad_target(t, c, True)
+                return [f"{pad}if (lane_ok) {{ {target} = static_cast<{grad_type[t.name]}>"
+                        f"({value}); }}"], []
+            return [f"{pad}{nm[('acc', spec.symbols[store.slot])]} += {value};"], []
+
+        grad_bases = []
+        for t in differentiable:
+            extra = [f" + {nm[('idx', b)]} * {nm[('d_stride', t.name, b)]}"
+                     for b in self.meta.grad_axes[t.name]]
+            extra += [f" + {nm[('member', g)]} * {nm[('d_stride', t.name, members(g))]}"
+                      for g in self.meta.grad_members[t.name]]
+            if not t.has_time:  # one partial sum per time-thread
+                extra.append(f" + j * {nm[('d_stride', t.name, SEGMENTS)]}")
+            grad_bases.append(f"const {d.int64} {nm[('d_base', t.name)]} = "
+                              f"{nm[('base', t.name)]}{''.join(extra)};")
+
+        recompute = _without_outputs(self.rec.forward_program)
+        local = prune(adj.program, lambda store: store.kind == "lambda")
+        # the adjoint map of a run: λ_end -> Pᵀ λ_end + local
+        lam_own = {}
+        for p in self.products:
+            lam_own[f"a{p.block}_{p.col}{p.row}"] = nm[("state", p.symbol)]
+        for k, s in enumerate(self.slots):
+            lam_own[f"v{k}"] = lam_regs[s]
+        lam_pass = self._pass(lam_own, 1)
+        lam_pass["enter"] = self._apply(lambda f: f"E_{f}", lam_pass["starts"],
+                                        [lam_regs[s] for s in self.slots])
+        ctx = self._context("backward")
+        for st, s in zip(ctx["scan_states"], self.slots):
+            st["lam"] = lam_regs[s]
+        ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, 0),
+                   lambda_pass=lam_pass, grad_bases=grad_bases, accumulators=accumulators,
+                   recompute_loads=writer.step_loads(recompute, "        "),
+                   recompute=writer.program(recompute, _commit_state(spec, nm), "        "),
+                   local_loads=writer.step_loads(local, "        "),
+                   local=writer.program(local, route, "        "),
+                   loads=writer.step_loads(adj.program, "        "),
+                   step=writer.program(adj.program, route, "        "))
+        return environment().get_template("scan_backward.j2").render(**ctx)
+
+__all__ = ["ScanRenderer", "grad_type_name"]

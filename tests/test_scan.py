@@ -1,0 +1,234 @@
+"""The scan schedule (``render/scan.py``, docs/scan.md) against loops written from each paper's
+formula, for every bundled spec it serves (state-affine, no state axis): outputs, final states
+and the gradient of every input and initial state (``mx.grad`` of a random weighting of them),
+on the Metal simulator (marker ``sim``) and CUDA (marker ``gpu``).
+
+Small threadgroups keep the simulator fast and still cover each part of the composition: runs
+of ``seg`` steps per thread, time-threads inside a simdgroup (lane blocks of 8: four per
+simdgroup) and across simdgroups (``threads=64``: two), stretches carried one to the next
+(``L`` above ``threads / 8 * seg``, and not a multiple of it), a sequence shorter than one
+stretch, and ``L = 1``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+import mlx_recgen as rg
+from conftest import KERNEL_BACKENDS, rel_err
+from references import REFERENCES, ZOO_REFERENCES
+from mlx_recgen.schedule import SCHEDULES, choose, make_scan_schedule, scan_misfit
+
+SCAN_SPECS = ["rglru", "rotlru", "mingru", "complex_lru"]
+TOL = 1e-5
+b = 2
+
+
+def _draw(name, L, D=5):
+    """Inputs (in the spec's order) and the initial state, of both signs."""
+    n, u = mx.random.normal, mx.random.uniform
+    if name == "rglru":
+        a = u(0.5, 0.99, (b, L, D)) * mx.where(u(shape=(b, L, D)) < 0.5, -1.0, 1.0)
+        return [a, n((b, L, D))], n((b, D))
+    if name == "rotlru":
+        theta = u(-3.0, 3.0, (b, L, D))
+        return [u(0.5, 0.99, (b, L, D)), mx.cos(theta), mx.sin(theta), n((b, L, D, 2))], \
+            n((b, D, 2))
+    if name == "mingru":
+        return [2.0 * n((b, L, D)), n((b, L, D))], n((b, D))
+    if name == "complex_lru":
+        return [n((b, L, D, 2)), 0.5 * n((D,)), 0.5 * n((D,))], n((b, D, 2))
+    raise KeyError(name)
+
+
+def _reference(name):
+    ref = REFERENCES.get(name) or ZOO_REFERENCES[name]
+    return lambda *args: ref(*args[:-1], args[-1])
+
+
+def _compiled(name, backend, **call):
+    rec = rg.load_spec(name)
+
+    def run(*args):
+        return rec(*args[:-1], initial_state=args[-1], return_state=True, backend=backend,
+                   schedule="scan", **call)
+    return run
+
+
+def _values_and_grads(fn, args, weights):
+    def loss(*a):
+        y, h = fn(*a)
+        return mx.sum(y * weights[0]) + mx.sum(h * weights[1])
+
+    y, h = fn(*args)
+    grads = mx.grad(loss, argnums=tuple(range(len(args))))(*args)
+    mx.eval(y, h, grads)
+    return [y, h, *grads]
+
+
+def compare(name, backend, L, dtype=mx.float32, lanes=5, **call):
+    """Relative errors against the reference: output, final state, then the gradients of the
+    inputs and of the initial state. With ``dtype``, the inputs are cast to it and the
+    reference runs in float32 on the cast values."""
+    mx.random.seed(sum(map(ord, name)) + L)
+    inputs, h0 = _draw(name, L, lanes)
+    inputs = [x.astype(dtype) for x in inputs]
+    args = [*inputs, h0]
+    y, h = _reference(name)(*[x.astype(mx.float32) for x in inputs], h0)
+    weights = [mx.random.normal(y.shape), mx.random.normal(h.shape)]
+    want = _values_and_grads(_reference(name), [x.astype(mx.float32) for x in args], weights)
+    got = _values_and_grads(_compiled(name, backend, **call), args, weights)
+    labels = ["output", "final state", *rg.load_spec(name).spec.inputs, "initial state"]
+    return {label: rel_err(g.astype(mx.float32), w) for label, g, w in zip(labels, got, want)}
+
+
+# (L, seg = steps per thread, threads): with D = 5 lanes and 2 instances the lane block is 8
+# lanes, so 64 threads are 8 time-threads in 2 simdgroups (a stretch of 8 * seg steps)
+CASES = [
+    (37, 2, 64),  # 3 stretches of 16, the last partial; shuffles and the threadgroup pass
+    (11, 4, 64),  # shorter than one stretch (32): most runs past the end
+    (1, 2, 64),  # one step
+    (32, 1, 32),  # one step per thread, 4 time-threads in one simdgroup, stretches of 4
+]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name", SCAN_SPECS)
+@pytest.mark.parametrize("L, seg, threads", CASES)
+def test_scan_matches_reference(backend, name, L, seg, threads):
+    errors = compare(name, backend, L, seg=seg, threads=threads)
+    bad = {k: v for k, v in errors.items() if not v < TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name", ["rglru", "complex_lru"])
+def test_scan_lane_blocks_and_simdgroups(backend, name):
+    """20 lanes in blocks of 8 (three threadgroups per instance, the last one part padding);
+    128 threads: 16 runs per stretch over 4 simdgroups."""
+    errors = compare(name, backend, 70, lanes=20, seg=2, threads=128)
+    bad = {k: v for k, v in errors.items() if not v < TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name", ["rglru", "rotlru"])
+def test_scan_bfloat16_inputs(backend, name):
+    """bf16 inputs read as floats, the state carried in fp32, outputs written as bf16: the
+    output within bf16 rounding of the fp32 loop on the same (rounded) inputs."""
+    errors = compare(name, backend, 37, dtype=mx.bfloat16, seg=2, threads=64)
+    bad = {k: v for k, v in errors.items() if not v < 1e-2}
+    assert not bad, bad
+
+
+def test_scan_writes_gradients_in_the_input_dtype():
+    """A gradient the kernel writes whole goes out in its input's dtype (no fp32 buffer and
+    cast pass); one summed after the kernel (over time-threads and batch) stays fp32."""
+    text = rg.load_spec("complex_lru").source("backward", backend="metal", schedule="scan",
+                                              dtype=mx.bfloat16)
+    assert "device bfloat16_t* u_d_bx " in text
+    assert "device float* u_d_nu_log " in text
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_scan_jvp(backend):
+    """``mx.jvp`` runs the tangent recurrence (itself in the scan's class: a 2x2 block of the
+    state and its tangent) under the scan schedule."""
+    rec = rg.load_spec("rglru")
+    mx.random.seed(3)
+    (a, x), h0 = _draw("rglru", 37)
+    ta, tx = mx.random.normal(a.shape), mx.random.normal(x.shape)
+
+    def f(backend, **call):
+        return lambda a, x: rec(a, x, initial_state=h0, backend=backend, **call)
+
+    _, got = mx.jvp(f(backend, schedule="scan", seg=2, threads=64), [a, x], [ta, tx])
+    _, want = mx.jvp(lambda a, x: REFERENCES["rglru"](a, x, h0)[0], [a, x], [ta, tx])
+    assert rel_err(got[0], want[0]) < TOL
+
+
+def test_scan_default_schedule_runs(backend="metal-sim"):
+    """Without seg= and threads=: the chosen run and group size (256 threads, runs of
+    ``scan_run`` steps)."""
+    errors = compare("rglru", backend, 40)
+    assert max(errors.values()) < TOL, errors
+
+
+# -- choosing the schedule ----------------------------------------------------------------------
+
+
+def test_scan_is_a_schedule_auto_does_not_pick():
+    assert "scan" in SCHEDULES
+    rec = rg.load_spec("rglru")
+    for backend in ("cuda", "metal", "mlx"):
+        assert choose(rec, {"B": 8, "L": 4096, "D": 1024}, "auto", None, backend)[0] != "scan"
+    assert choose(rec, {"B": 8, "L": 4096, "D": 1024}, "scan", None, "cuda") == ("scan", 16)
+    assert choose(rec, {"B": 1, "L": 3, "D": 8}, "scan", 8, "metal")[1] == 3
+
+
+def test_scan_on_the_mlx_backend_runs_the_chunked_form():
+    rec = rg.load_spec("rglru")
+    assert choose(rec, {"B": 2, "L": 100, "D": 8}, "scan", None, "mlx")[0] == "chunked"
+    errors = compare("rglru", "mlx", 19)
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("gla", "state axis"),  # a state of K x V per lane
+    ("mamba1", "state axis"),  # per (channel, state element): see docs/scan.md
+    ("deltanet", "delta-rule"),  # not state-affine
+])
+def test_scan_outside_its_class_raises(name, reason):
+    rec = rg.load_spec(name)
+    assert reason in scan_misfit(rec)
+    sizes = {a: 4 for a in [*rec.spec.batch_axes, rec.spec.lane, rec.spec.time]}
+    if rec.spec.state_axis:
+        sizes[rec.spec.state_axis] = 4
+    with pytest.raises(ValueError, match="schedule='scan' needs"):
+        choose(rec, sizes, "scan", None, "cuda")
+
+
+def test_scan_lane_blocks_narrow_for_few_instances():
+    spec = rg.load_spec("rglru").spec
+    assert make_scan_schedule(spec, {"B": 8, "L": 64, "D": 1024}, 16).lane_block == 32
+    few = make_scan_schedule(spec, {"B": 4, "L": 64, "D": 1024}, 16)
+    assert few.lane_block == 16 and few.groups_per_instance == 64
+    assert few.seg == 256 // 16 * 16  # the stretch: time-threads x run
+    fewer = make_scan_schedule(spec, {"B": 3, "L": 64, "D": 768}, 16)
+    assert fewer.lane_block == 8 and fewer.groups_per_instance == 96
+
+
+def test_scan_totals_fit_in_threadgroup_memory():
+    """Two buffers of simdgroup totals, 2 x TG / 32 x map floats x LB: a 4x4 block's maps (20
+    floats) in lane blocks of 32 halve the chosen 256 threads to 128 (40 KiB to 20 KiB); asked
+    for, too many threads raise."""
+    spec = rg.load_spec("rglru").spec
+    sizes = {"B": 8, "L": 64, "D": 1024}
+    assert make_scan_schedule(spec, sizes, 16, map_floats=2).threads == 256
+    assert make_scan_schedule(spec, sizes, 16, map_floats=20).threads == 128
+    with pytest.raises(ValueError, match="threadgroup memory"):
+        make_scan_schedule(spec, sizes, 16, threads=256, map_floats=20)
+
+
+# -- CUDA text --------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_scan_cuda_text_compiles(tmp_path, kernel, dtype):
+    """The scan kernels' CUDA text compiles with nvcc (MLX's device header replaced by the
+    standard and bf16 headers)."""
+    for name in SCAN_SPECS:
+        text = rg.load_spec(name).source(kernel, backend="cuda", schedule="scan", dtype=dtype)
+        text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
+                            "#include <cstdint>\n#include <cuda_bf16.h>")
+        src = tmp_path / f"{name}_{kernel}.cu"
+        src.write_text(text)
+        res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src),
+                              "-o", os.devnull], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
