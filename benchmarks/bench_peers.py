@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_recgen as rg
+from mlx_recgen.schedule import scan_misfit
 from bench_scan import peak as peak_mlx  # the same peak-memory measure as bench_scan
 
 
@@ -54,6 +55,7 @@ def gated_delta(S, q, k, v, g, beta, i):
 
 CASES = [  # (spec, shape, also time the per-step MLX loop)
     ("rglru", dict(B=8, L=4096, D=1024), False),
+    ("rglru", dict(B=3, L=2048, D=768), False),
     ("ssd", dict(B=3, L=2048, H=12, P=64, N=16), True),
     ("ssd", dict(B=8, L=4096, H=16, P=64, N=64), False),
     ("gla", dict(B=3, L=2048, H=12, K=64, V=64), True),
@@ -275,7 +277,7 @@ def run_case(name, shape, with_loop, dtype, reps, rng, wanted=("sequential", "ch
     mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
     row = dict(spec=name, shape=shape, dtype=dtype, runs={})
     schedules = ["sequential"] + (["chunked"] if rec.time_parallel else []) + \
-        (["matrix"] if rec.matrix.applies else [])
+        (["matrix"] if rec.matrix.applies else []) + (["scan"] if not scan_misfit(rec) else [])
     schedules = [s for s in schedules if s in wanted]
     if with_loop and dtype == "float32" and "loop" in wanted:
         schedules.append("loop")
