@@ -202,6 +202,19 @@ def _commit_state(spec, names, idx="n"):
     return route
 
 
+def _forward_route(spec, names, commit_state, guard):
+    """Route for a forward step's stores: states through ``commit_state``, outputs written to
+    their buffers where ``guard`` (the thread writes its lane's outputs) holds."""
+    def route(store, value, in_loop, pad):
+        if store.kind == "state":
+            return commit_state(store, value, in_loop, pad)
+        t = spec.outputs[store.slot.tensor]
+        target = (f"{names[('buffer', t.name)]}[{names[('base', t.name)]}"
+                  f"{names.terms(t, store.slot.component, time=True)}]")
+        return [f"{pad}if ({guard}) {{ {target} = static_cast<OutT>({value}); }}"], []
+    return route
+
+
 class KernelRenderer:
     """Builds the template context of one kernel and renders (body, header)."""
 
@@ -309,15 +322,7 @@ class KernelRenderer:
         spec, nm = self.spec, self.names
         writer = StepWriter(self.rec, self.d, nm, stage=self.schedule.stage_steps > 0,
                             split=self.schedule.parts > 1)
-        commit_state = _commit_state(spec, nm, writer.idx)
-
-        def route(store, value, in_loop, pad):
-            if store.kind == "state":
-                return commit_state(store, value, in_loop, pad)
-            t = spec.outputs[store.slot.tensor]
-            target = (f"{nm[('buffer', t.name)]}[{nm[('base', t.name)]}"
-                      f"{nm.terms(t, store.slot.component, time=True)}]")
-            return [f"{pad}if (lane_once) {{ {target} = static_cast<OutT>({value}); }}"], []
+        route = _forward_route(spec, nm, _commit_state(spec, nm, writer.idx), "lane_once")
 
         prog = self.rec.forward_program
         ctx = self._common("forward")

@@ -34,7 +34,8 @@ from __future__ import annotations
 from ..ir import free_symbols, prune
 from ..schedule import SEGMENTS, members
 from ..spec import Slot
-from .kernels import KernelRenderer, StepWriter, _commit_state, _without_outputs, environment
+from .kernels import (KernelRenderer, StepWriter, _commit_state, _forward_route, _without_outputs,
+                      environment)
 from .names import program_symbols
 
 
@@ -199,15 +200,7 @@ class ScanRenderer(KernelRenderer):
         prog = self.rec.forward_program
         writer, runs = self._writer([prog, self.rec.segment_summary.program])
         summary, own = self._summary(writer)
-        commit = _commit_state(spec, nm)
-
-        def route(store, value, in_loop, pad):
-            if store.kind == "state":
-                return commit(store, value, in_loop, pad)
-            t = spec.outputs[store.slot.tensor]
-            target = (f"{nm[('buffer', t.name)]}[{nm[('base', t.name)]}"
-                      f"{nm.terms(t, store.slot.component, time=True)}]")
-            return [f"{pad}if (lane_ok) {{ {target} = static_cast<OutT>({value}); }}"], []
+        route = _forward_route(spec, nm, _commit_state(spec, nm), "lane_ok")
 
         ctx = self._context("forward")
         # stretches alternate between two buffers of totals: one barrier per stretch
