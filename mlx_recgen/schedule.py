@@ -218,19 +218,18 @@ def lane_reduced_rows(spec: Spec, state_size: int) -> tuple:
 def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     """The schedule and segment length of one call: ``(kind, seg)``.
 
-    ``auto`` on the ``mlx`` backend on the CPU runs ``matrix`` when the recurrence has the
-    matrix form and the sequence holds a whole chunk (mlx 0.32.4, forward+backward: GLA B2 H4
-    L1024 K=V=32 45 ms against 79 ms sequential; a Mamba-2 model's training step 1.02 s against
-    1.98 s, ``benchmarks/bench_models.py``). Not on a GPU, where MLX multiplies fp32 in TF32
-    unless ``MLX_ENABLE_TF32=0`` (an error of 2-4e-4 against the sequential schedule on an
-    H100): there ``matrix`` is asked for by name. Else it runs ``chunked`` when the recurrence is
-    state-affine, the sequence holds at least two chunks and, on a kernel backend, one
-    sequential step would not already fill the GPU (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the
-    ``mlx`` backend the device is a GPU (``mlx_time_parallel_pays``); else ``sequential``. On
-    the kernel backends ``auto`` never picks ``matrix``: on an H100 our sequential and chunked
-    kernels beat its MLX-op form (``benchmarks/results/bench-matrix-*``). ``chunked`` on a
-    recurrence that is not state-affine, and ``matrix`` on one without the matrix form
-    (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
+    ``auto`` runs ``chunked`` when the recurrence is state-affine, the sequence holds at least
+    two chunks and, on a kernel backend, one sequential step would not already fill the GPU
+    (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the ``mlx`` backend the device is a GPU
+    (``mlx_time_parallel_pays``); else ``sequential``.
+    ``auto`` never picks ``matrix`` (asked for by name): on an H100 our sequential and chunked
+    kernels beat its MLX-op form (``benchmarks/results/bench-matrix-*``), on a GPU its fp32
+    products run in TF32 unless ``MLX_ENABLE_TF32=0``, and a non-finite value anywhere in a
+    call makes every output of its chunk products NaN where the sequential schedule keeps the
+    outputs before it (docs/matrix.md); on the CPU it is the fastest pure-MLX form (a Mamba-2
+    model's training step 1.02 s against 1.98 s sequential, ``benchmarks/bench_models.py``).
+    ``chunked`` on a recurrence that is not state-affine, and ``matrix`` on one without the
+    matrix form (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
     interval, which is also the chunk length) is chosen when not given; it may exceed ``L``.
 
     ``scan`` (never picked by ``auto`` yet) needs ``scan_misfit`` to find nothing; its ``seg``
@@ -268,8 +267,6 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         parallel = kernels or mlx_time_parallel_pays()
         kind = ("chunked" if form.time_parallel and parallel and L >= 2 * chunk and not busy
                 else "sequential")
-        if not kernels and not parallel and rec.matrix.applies and L >= (seg or MATRIX_CHUNK):
-            kind = "matrix"  # the CPU's fastest form where it applies
     if seg is None:
         seg = (MATRIX_CHUNK if kind == "matrix" else SEQUENTIAL_SEG if kind != "chunked"
                else chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))

@@ -263,3 +263,19 @@ def test_forward_mode_and_second_order():
     hvp = lambda sch: mx.jvp(lambda g: mx.grad(lambda g: mx.sum(gla(  # noqa: E731
         q, k, v, g, backend="mlx", schedule=sch, seg=4) ** 2))(g), [g], [mx.ones_like(g)])[1][0]
     assert rel_err(hvp("matrix"), hvp("sequential")) < 1e-4
+
+
+def test_non_finite_values_give_nan_never_a_finite_wrong_number():
+    """An infinite gate or an overflowing state: the chunk products turn what they touch into
+    NaN (docs/matrix.md); every output that stays finite equals the sequential schedule's."""
+    gla = rg.load_spec("gla")
+    q, k, v = (mx.random.normal((1, 12, 2, 3)) for _ in range(3))
+    g = mx.random.uniform(0.3, 0.9, (1, 12, 2))
+    g[0, 5, 0] = float("inf")
+    for args in ([q, k, v, g], [q * 1e20, k * 1e20, v, mx.abs(g)]):
+        want = gla(*args, backend="mlx", schedule="sequential", seg=4)
+        got = gla(*args, backend="mlx", schedule="matrix", seg=4)
+        assert not mx.all(mx.isfinite(want)).item()
+        finite = mx.isfinite(got)
+        assert mx.all(mx.where(finite, mx.abs(got - want) <= 1e-5 * (1 + mx.abs(want)),
+                               mx.isnan(got))).item()

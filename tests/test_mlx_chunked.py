@@ -139,13 +139,12 @@ def test_auto_picks_chunked_on_mlx_where_expected(monkeypatch):
     assert choose(tanh_rnn, dict(B=2, L=1024, D=3), "auto", None, "mlx")[0] == "sequential"
     ssd_sizes = dict(B=1, L=1024, H=4, P=32, N=16)
     assert choose(ssd, ssd_sizes, "chunked", 16, "mlx") == ("chunked", 16)
-    # on a GPU the mlx backend keeps the chunked form: fp32 matrix products run in TF32 there
+    # the matrix form only by name (docs/matrix.md), on a GPU and on the CPU
     assert choose(ssd, ssd_sizes, "auto", None, "mlx")[0] == "chunked"
     assert choose(ssd, ssd_sizes, "auto", None, "metal-sim")[0] != "matrix"
-    # on the CPU: the matrix form where it applies and a whole chunk fits
+    assert choose(ssd, ssd_sizes, "matrix", None, "mlx") == ("matrix", schedule.MATRIX_CHUNK)
     monkeypatch.setattr(schedule, "mlx_time_parallel_pays", lambda: False)
-    assert choose(ssd, ssd_sizes, "auto", None, "mlx") == ("matrix", schedule.MATRIX_CHUNK)
-    assert choose(ssd, dict(ssd_sizes, L=40), "auto", None, "mlx")[0] == "sequential"
+    assert choose(ssd, ssd_sizes, "auto", None, "mlx")[0] == "sequential"
 
 
 # -- transforms ----------------------------------------------------------------------------------
