@@ -31,6 +31,7 @@ docstring for what differs.
 from __future__ import annotations
 
 import math
+import operator
 
 import mlx.core as mx
 
@@ -120,13 +121,22 @@ def _check(fn, name, x, layout, sizes):
 
 
 def _offsets(fn, cu_seqlens, T) -> list:
+    """``cu_seqlens`` as a list of Python ints: an integer array (MLX or numpy) or a sequence of
+    integers. Floats are refused, not truncated: a truncated offset moves a sequence boundary
+    without a word."""
     if isinstance(cu_seqlens, mx.array):
-        if cu_seqlens.ndim != 1 or not mx.issubdtype(cu_seqlens.dtype, mx.integer):
-            raise ValueError(f"{fn}(): cu_seqlens must be a 1-d integer array, got shape "
-                             f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-        cu = cu_seqlens.tolist()
-    else:
-        cu = [int(c) for c in cu_seqlens]
+        if not mx.issubdtype(cu_seqlens.dtype, mx.integer):
+            raise TypeError(f"{fn}(): cu_seqlens must be integers, got dtype "
+                            f"{str(cu_seqlens.dtype).replace('mlx.core.', '')}")
+        if cu_seqlens.ndim != 1:
+            raise ValueError(f"{fn}(): cu_seqlens must be 1-d, got shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    try:  # operator.index takes Python and numpy integers, and refuses floats
+        cu = [operator.index(c) for c in cu_seqlens]
+    except TypeError:
+        raise TypeError(f"{fn}(): cu_seqlens must be a 1-d sequence of integers, got "
+                        f"{cu_seqlens!r}") from None
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{fn}(): cu_seqlens must rise from 0 to the number of tokens {T}, got "
                          f"{cu}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from conftest import rel_err
@@ -407,3 +408,25 @@ def test_argument_errors():
                               _n(1, K, 4))
     with pytest.raises(ValueError, match=r"groups must agree and divide the 6 channels"):
         ops.selective_scan_fn(_n(1, 6, 4), _n(1, 6, 4), A, _n(1, 4, K, 4), _n(1, K, 4))
+
+
+@pytest.mark.parametrize("cu_seqlens", [[0, 3.7, 6], np.array([0, 3.0, 6.0]), [0, 3, 6.5],
+                                        mx.array([0.0, 3.0, 6.0]), [0, np.float32(3), 6]],
+                         ids=["float in a list", "float numpy array", "float last offset",
+                              "float mx.array", "numpy float scalar"])
+def test_float_cu_seqlens_are_refused(cu_seqlens):
+    """Float offsets are refused, not truncated (3.7 would silently become 3); integer numpy
+    arrays and numpy integers are offsets like any other."""
+    q, k, v = _qkv(1, 6).values()
+    g = _n(1, 6, H, scale=0.3)
+    for fn, args in ((ops.fused_recurrent_simple_gla, (q, k, v, g)),
+                     (ops.selective_scan_fn, (_n(1, 6, 4), _n(1, 6, 4), _n(6, K), _n(1, K, 4),
+                                              _n(1, K, 4)))):
+        with pytest.raises(TypeError, match=r"cu_seqlens must be"):
+            fn(*args, cu_seqlens=cu_seqlens, backend="mlx")
+    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-d"):
+        ops.fused_recurrent_simple_gla(q, k, v, g, cu_seqlens=mx.array([[0, 3, 6]]))
+    want, _ = ops.fused_recurrent_simple_gla(q, k, v, g, cu_seqlens=[0, 3, 6], backend="mlx")
+    for integers in (np.array([0, 3, 6]), [0, np.int64(3), 6], mx.array([0, 3, 6])):
+        got, _ = ops.fused_recurrent_simple_gla(q, k, v, g, cu_seqlens=integers, backend="mlx")
+        assert mx.array_equal(got, want)
