@@ -52,14 +52,15 @@ and step-size preprocessing (``A_log``, ``dt_bias``, ``time_step_limit`` with in
   the routed form does what the original would.
 * ``rnn_scan``: with or without ``h0``, one step or many.
 
-Falls back to the original (counted in ``Patch.fallbacks`` with the reason) for: arrays outside
-the layouts above, or empty; a non-bool mask; ``ssm_update`` with ``lengths`` but no mask, with a
-mask whose blocks mlx-lm hands on differently from a recurrence (a padded tail without
-``lengths``, as nemotron_h's right-padded prefill passes it; ``lengths`` beyond a short last
-block; a mask that contradicts ``lengths``), or with a mask under ``mx.compile`` or ``mx.vmap``
-(its values decide the form); ``gated_delta_update`` with value heads that are not a multiple of
-the key heads; ``rnn_scan`` with a gate of another shape or dtype than ``x`` (the original's
-assertions then raise as before). The original then answers: never a different result.
+Falls back to the original (counted in ``Patch.fallbacks`` with the reason) for: float arrays of
+another dtype than float32, float16 and bfloat16 (float64, which mlx-lm's MLX ops take on the CPU),
+states included; arrays outside the layouts above, or empty; a non-bool mask; ``ssm_update`` with
+``lengths`` but no mask, with a mask whose blocks mlx-lm hands on differently from a recurrence (a
+padded tail without ``lengths``, as nemotron_h's right-padded prefill passes it; ``lengths`` beyond
+a short last block; a mask that contradicts ``lengths``), or with a mask under ``mx.compile`` or
+``mx.vmap`` (its values decide the form); ``gated_delta_update`` with value heads that are not a
+multiple of the key heads; ``rnn_scan`` with a gate of another shape or dtype than ``x`` (the
+original's assertions then raise as before). The original then answers: never a different result.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ import mlx.nn as nn
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, exp, where
-from mlx_recgen.function import BACKENDS
+from mlx_recgen.function import BACKENDS, FLOAT_DTYPES
 from mlx_recgen.schedule import SCHEDULES
 
 MIN_MLX_LM = (0, 32, 2)  # from this release on, ssm_attn masks the decay of padded steps
@@ -201,6 +202,18 @@ class _Unsupported(Exception):
 def _require(condition, reason: str):
     if not condition:
         raise _Unsupported(reason)
+
+
+def _require_recurrence_dtypes(arguments: dict):
+    """A recurrence takes float32, float16 and bfloat16 arrays; mlx-lm's MLX ops take float64
+    too (on the CPU): such calls are the original's."""
+    other = {}
+    for name, x in arguments.items():
+        if (isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating)
+                and x.dtype not in FLOAT_DTYPES):
+            other.setdefault(str(x.dtype).replace("mlx.core.", ""), []).append(name)
+    _require(not other, "; ".join(f"{dtype} {', '.join(names)}" for dtype, names in other.items())
+             + " (a recurrence takes float32, float16 or bfloat16)")
 
 
 def _is_array(x, kind=mx.floating, ndim=None) -> bool:
@@ -403,6 +416,7 @@ class Patch:
                 return original(*args, **kwargs)  # raises as the original does
             bound.apply_defaults()
             try:
+                _require_recurrence_dtypes(bound.arguments)
                 result = implementation(self.options, **bound.arguments)
             except _Unsupported as exc:
                 self.fallbacks[(name, str(exc))] += 1
@@ -466,13 +480,15 @@ def patch(backend: str = "auto", schedule: str = "auto") -> Patch:
 
     Returns the ``Patch``: a context manager, or call its ``undo()``. Raises ``ValueError`` for an
     unknown backend or schedule, ``ImportError`` without mlx-lm (or one older than 0.32.2), and
-    ``RuntimeError`` while another patch is active or where mlx-lm's helpers take other
-    parameters than the ones reproduced here."""
+    ``RuntimeError`` where the backend cannot run on this machine (``"metal"`` without Metal,
+    ``"cuda"`` without CUDA, ``"metal-sim"`` without a C++ compiler), while another patch is
+    active, or where mlx-lm's helpers take other parameters than the ones reproduced here."""
     global _active
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _require_device(backend)
     if _active is not None:
         raise RuntimeError(f"mlx-lm is already patched ({_active!r}); undo that patch first")
     import mlx_lm
@@ -485,6 +501,18 @@ def patch(backend: str = "auto", schedule: str = "auto") -> Patch:
     handle._install()
     _active = handle
     return handle
+
+
+def _require_device(backend: str):
+    """Raise now, not at the first routed call, where ``backend`` cannot run here."""
+    if backend in ("metal", "cuda"):
+        from mlx_recgen.backends.kernels import kernel_factory
+
+        kernel_factory(backend)  # raises without the device
+    elif backend == "metal-sim":
+        from mlx_recgen.sim import find_compiler
+
+        find_compiler()  # raises without a C++ compiler
 
 
 # -- command line ------------------------------------------------------------------------------
