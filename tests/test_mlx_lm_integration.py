@@ -529,6 +529,51 @@ def test_float64_falls_back_to_mlx_lm():
                 assert g[1].dtype == w[1].dtype and mx.array_equal(g[1], w[1]), case
 
 
+# -- the simulator ------------------------------------------------------------------------------
+
+
+def test_simulator_reports_an_input_that_fails_when_evaluated():
+    """The simulator reads a routed helper's inputs when it is called; mlx-lm builds a lazy
+    graph. An input computed by an operation that fails only when evaluated (gather_mm in fp16
+    on the CPU, as in mlx-lm's fp16 mixture-of-experts models) is reported as that, with the
+    way out, not as the helper's failure."""
+    with mx.stream(mx.cpu):
+        experts = normal(3, 12, 12, seed=1).astype(mx.float16)
+        x = normal(2, 9, 1, 12, seed=2).astype(mx.float16)
+        x = mx.gather_mm(x, experts, rhs_indices=mx.array([[0], [2]]))[:, :, 0]  # [2, 9, 12]
+        try:
+            mx.eval(x)
+        except RuntimeError:
+            pass
+        else:
+            pytest.skip("this MLX evaluates gather_mm in fp16 on the CPU")
+    a = mx.sigmoid(normal(2, 9, 12, seed=3)).astype(mx.float16)
+    y, h = recurrent_gemma.rnn_scan(x, a, None)  # lazy: what mlx-lm's model tests check
+    assert y.shape == (2, 9, 12) and y.dtype == mx.float16
+    with patch("mlx"):
+        y, h = recurrent_gemma.rnn_scan(x, a, None)
+    assert y.shape == (2, 9, 12) and y.dtype == mx.float16
+    with patch("metal-sim") as routing:
+        with pytest.raises(RuntimeError, match=r"mlx-lm's rnn_scan under backend='metal-sim': "
+                                               r"evaluating its inputs failed: \[GatherMM::eval\]"
+                                               r".* backend='mlx' stays lazy") as error:
+            recurrent_gemma.rnn_scan(x, a, None)
+    assert "GatherMM" in str(error.value.__cause__)
+    assert not routing.routed and not routing.fallbacks
+
+
+@pytest.mark.sim
+def test_simulator_under_compile_says_so_itself():
+    """Under mx.compile nothing can be evaluated: the simulator's own error, not the one for an
+    input that fails when evaluated."""
+    from mlx_recgen.sim import SimulatorTransformError
+
+    x, a = normal(2, 9, 12, seed=4), mx.sigmoid(normal(2, 9, 12, seed=5))
+    with patch("metal-sim"):
+        with pytest.raises(SimulatorTransformError, match="cannot run under mx.compile"):
+            mx.compile(lambda x, a: recurrent_gemma.rnn_scan(x, a, None))(x, a)
+
+
 # -- patching -----------------------------------------------------------------------------------
 
 

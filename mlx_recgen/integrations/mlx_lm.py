@@ -61,6 +61,13 @@ a short last block; a mask that contradicts ``lengths``), or with a mask under `
 ``mx.vmap`` (its values decide the form); ``gated_delta_update`` with value heads that are not a
 multiple of the key heads; ``rnn_scan`` with a gate of another shape or dtype than ``x`` (the
 original's assertions then raise as before). The original then answers: never a different result.
+
+Under ``backend="metal-sim"`` a routed helper evaluates its inputs when it is called (the
+simulator runs kernels on the CPU through numpy), where mlx-lm only builds a lazy graph: an
+operation upstream that fails when evaluated fails there, and is reported as such
+(``RuntimeError`` naming the helper and the upstream error). mlx-lm's fp16 mixture-of-experts
+models on the CPU are the known case (``gather_mm`` evaluates only fp32 there): their shape and
+dtype checks pass unpatched, never evaluating. ``backend="mlx"`` stays lazy.
 """
 
 from __future__ import annotations
@@ -184,7 +191,29 @@ def _run(rec, options, *args, **kwargs):
     schedule = options["schedule"]
     if schedule == "chunked" and not rec.time_parallel:
         schedule = "sequential"
+    if options["backend"] == "metal-sim":
+        _evaluate_for_simulator([*args, *kwargs.values()])
     return rec(*args, backend=options["backend"], schedule=schedule, return_state=True, **kwargs)
+
+
+_TRANSFORMED = "function transformations"  # in MLX's error for an eval under compile or vmap
+
+
+class _InputsFailed(Exception):
+    """Evaluating a routed helper's inputs for the simulator failed; the cause is chained."""
+
+
+def _evaluate_for_simulator(arguments):
+    """Evaluate the recurrence's array arguments, as the simulator is about to (it runs kernels
+    on the CPU through numpy, so it reads its inputs' values when called, where mlx-lm only
+    builds a lazy graph): an operation upstream that fails when evaluated is then reported as
+    that, not as a failure of the routed helper. Under ``mx.compile`` or ``mx.vmap`` nothing can
+    be evaluated; the simulator says so itself."""
+    try:
+        mx.eval([a for a in arguments if isinstance(a, mx.array)])
+    except (RuntimeError, ValueError) as exc:
+        if _TRANSFORMED not in str(exc):
+            raise _InputsFailed() from exc
 
 
 def _on_metal() -> bool:
@@ -421,6 +450,14 @@ class Patch:
             except _Unsupported as exc:
                 self.fallbacks[(name, str(exc))] += 1
                 return original(*args, **kwargs)
+            except _InputsFailed as exc:
+                raise RuntimeError(
+                    f"mlx-lm's {name} under backend='metal-sim': evaluating its inputs failed: "
+                    f"{exc.__cause__}. The simulator runs kernels on the CPU through numpy, so it "
+                    "evaluates a routed helper's inputs when the helper is called, where mlx-lm "
+                    "builds a lazy graph; the operation that computes them fails when evaluated "
+                    "on this device and dtype (mlx-lm's own result would fail so when "
+                    "evaluated). backend='mlx' stays lazy.") from exc.__cause__
             self.routed[name] += 1
             return result
 
