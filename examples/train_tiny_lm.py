@@ -11,9 +11,11 @@ read from the running interpreter's installation: about 620 KB on CPython 3.11, 
 wherever Python is. Nothing is downloaded. The tokens are its bytes (a vocabulary of 256); the
 last 5% is held out for the evaluation loss.
 
-Written to ``--out``: ``tiny-lm-<layer>-<device>.json`` (the run: device, mlx version, date,
-arguments, tokens/s, final and held-out loss, the loss of every step, a sample) and the loss
-curve, ``tiny-lm-<layer>-<device>.png`` (or ``.csv`` where matplotlib is not installed).
+Written to ``--out`` (``runs/tiny-lm`` under the current directory by default; ``runs/`` is
+ignored by git in the repository): ``tiny-lm-<layer>-<device>.json`` (the run: device, mlx
+version, date, arguments, tokens/s, final and held-out loss, the loss of every step, a sample)
+and the loss curve, ``tiny-lm-<layer>-<device>.png`` (or ``.csv`` where matplotlib is not
+installed).
 
 ``--compare`` also times the same model from the same initial weights on the same batches with
 the recurrence run as the spec's plain per-step MLX loop (``backend="reference"``:
@@ -47,6 +49,7 @@ from mlx.utils import tree_flatten
 import mlx_recgen
 from mlx_recgen.nn import GLA, RGLRU, GatedDeltaNet, Mamba2
 
+DEFAULT_OUT = "runs/tiny-lm"  # a run's own folder: never over results kept in the repository
 CORPUS_MODULES = ("argparse", "dataclasses", "difflib", "enum", "functools", "inspect",
                   "textwrap", "typing")
 LAYERS = ("mamba2", "gated_deltanet", "gla", "rglru")
@@ -341,7 +344,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=".", help="folder for the JSON and the loss curve")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for the JSON and the loss curve (default: {DEFAULT_OUT}, under "
+                        "the current directory)")
     p.add_argument("--compare", action="store_true",
                    help="also time the model with the per-step MLX loop as the recurrence")
     p.add_argument("--compare-steps", type=int, default=10,

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -38,10 +39,13 @@ DISTRIBUTIONS = [("normal", 0.5), ("normal", 0.25), ("normal", 0.1), ("uniform",
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_backend(requested: str | None) -> tuple:
-    """``(backend, why it was chosen)``; raises if ``requested`` is unknown or cannot run here
-    (before anything is computed)."""
-    if requested in (None, "auto"):
+def resolve_backend(requested: str | None, default: str = "auto") -> tuple:
+    """``(backend, why it was chosen)`` for ``--backend requested`` (None when it is not given:
+    the command's ``default``); raises if the backend is unknown or cannot run here (before
+    anything is computed)."""
+    given = requested is not None
+    requested = requested if given else default
+    if requested == "auto":
         if getattr(mx, "metal", None) is not None and mx.metal.is_available():
             return "metal", "the best available: MLX has Metal on this machine"
         if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
@@ -57,7 +61,8 @@ def resolve_backend(requested: str | None) -> tuple:
         from .backends.kernels import kernel_factory
 
         kernel_factory(requested)  # raises when this MLX has no such device
-    return requested, "requested with --backend"
+    return requested, ("requested with --backend" if given
+                       else "the default; --backend chooses another")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,17 +277,25 @@ def one_line_math(doc: str) -> str:
 
 
 def _load(name):
-    """``load_spec``, reporting an error raised while running a spec file as such."""
+    """``load_spec``, reporting a missing spec file as missing (a ':' in its directory's name is
+    not ``path.py:name``) and an error raised while running a spec file, ``SystemExit``
+    included, as such."""
     from .errors import SpecError
 
+    file = name if name.endswith(".py") else name.rsplit(":", 1)[0] if ".py:" in name else None
+    if file is not None and not Path(file).is_file() and not Path(name).is_file():
+        raise FileNotFoundError(f"spec file not found: {file}")
     try:
         return load_spec(name)
     except (SpecError, FileNotFoundError):
         raise
-    except Exception as exc:
-        if not (name.endswith(".py") or ".py:" in name):
+    except (Exception, SystemExit) as exc:
+        if file is None:
             raise
         # the file is user code: say which file and what it raised
+        if isinstance(exc, SystemExit):
+            raise RuntimeError(f"cannot load spec file '{name}': SystemExit: it exits at import "
+                               f"(code {exc.code!r})") from exc
         raise RuntimeError(f"cannot load spec file '{name}': {type(exc).__name__}: {exc}") from exc
 
 
@@ -304,7 +317,8 @@ def _parser():
                         f"kernels: {', '.join(CHUNKED_KERNELS)}")
     s.add_argument("--schedule", choices=["sequential", "chunked"], default=None,
                    help="default: chunked for the chunked schedule's kernels, else sequential")
-    s.add_argument("--backend", choices=["metal", "cuda", "mlx"], default="metal")
+    s.add_argument("--backend", choices=["metal", "metal-sim", "cuda", "mlx"], default="metal",
+                   help="metal-sim prints the Metal text (the simulator runs it as it is)")
     s.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     s.add_argument("--seg", type=int, default=32)
     a = sub.add_parser("adjoint", help="print the forward and derived backward step")
@@ -312,7 +326,7 @@ def _parser():
     c = sub.add_parser("check", help="run forward and backward on small random inputs and "
                                      "compare with the reference")
     c.add_argument("spec")
-    c.add_argument("--backend", default="metal-sim",
+    c.add_argument("--backend", default=None,
                    help=f"one of {', '.join(BACKENDS)} (default: metal-sim)")
     c.add_argument("--seg", type=int, default=4)
     return p
@@ -332,14 +346,16 @@ def _run(args):
     if args.cmd in ("show", "check"):
         positive_int(args.cmd, "--seg", args.seg)
     if args.cmd == "check":
-        backend, why = resolve_backend(args.backend)  # before loading and compiling anything
+        # before loading and compiling anything
+        backend, why = resolve_backend(args.backend, default="metal-sim")
     rec = _load(args.spec)
     if args.cmd == "show":
         schedule = args.schedule or ("chunked" if args.kernel in CHUNKED_KERNELS else "sequential")
         if args.backend == "mlx" and schedule == "chunked":
             raise ValueError("the chunked schedule's kernels are rendered for metal or cuda")
         options = {} if args.backend == "mlx" else {"schedule": schedule}
-        print(rec.source(args.kernel, backend=args.backend, dtype=getattr(mx, args.dtype),
+        backend = "metal" if args.backend == "metal-sim" else args.backend
+        print(rec.source(args.kernel, backend=backend, dtype=getattr(mx, args.dtype),
                          seg=args.seg, **options))
         return 0
     if args.cmd == "adjoint":

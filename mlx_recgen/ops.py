@@ -14,15 +14,23 @@ equal length run as a batch of ``N``; otherwise they run as a batch padded to th
 padding steps that leave the state unchanged (a key of zero and a log-gate of zero), so the
 cost is ``N`` times the longest sequence.
 
-What differs from FLA (0.5.2, read from its source), for every function:
+Results come in FLA's dtypes: ``o`` in ``v``'s dtype for the gated delta rule, RWKV-6 and
+RWKV-7, in ``q``'s for the delta rule, simple GLA, GLA and retention, in ``x``'s for HGRN (what
+each FLA function allocates it in, which matters when input dtypes mix); final states in fp32,
+HGRN's in ``x``'s dtype. The recurrence itself accumulates in fp32.
+
+FLA's retired keywords are taken as FLA takes them: ``head_first=False`` (the time-major layout,
+the only one) is accepted and ``head_first=True`` refused with ``ValueError``;
+``transpose_state_layout`` is the deprecated name of ``state_v_first`` (gated delta rule, simple
+GLA, GLA, retention), accepted with a ``DeprecationWarning``. Any other unknown keyword raises
+``TypeError`` (FLA ignores it).
+
+What differs from FLA (0.6.0, read from its source), for every function:
 
 * Everything is differentiable, the initial state and the final state included (FLA's
   ``fused_recurrent_gated_delta_rule`` has no backward).
-* ``o`` comes back in the inputs' dtype (fp32 when they mix dtypes); final states are fp32
-  (FLA's ``fused_recurrent_hgrn`` returns its state in the input's dtype).
 * Keyword-only extras: ``backend=`` (``"auto"``, ``"mlx"``, ``"metal"``, ``"metal-sim"``,
   ``"cuda"``) and ``seg=`` (the checkpoint interval, chosen when omitted).
-* FLA's deprecated keywords (``head_first``, ``transpose_state_layout``) raise ``TypeError``.
 
 mamba_ssm's ``selective_scan_fn`` keeps its channel-major layout (``u`` ``[B, D, L]``); see its
 docstring for what differs.
@@ -31,6 +39,8 @@ docstring for what differs.
 from __future__ import annotations
 
 import math
+import operator
+import warnings
 
 import mlx.core as mx
 
@@ -120,13 +130,22 @@ def _check(fn, name, x, layout, sizes):
 
 
 def _offsets(fn, cu_seqlens, T) -> list:
+    """``cu_seqlens`` as a list of Python ints: an integer array (MLX or numpy) or a sequence of
+    integers. Floats are refused, not truncated: a truncated offset moves a sequence boundary
+    without a word."""
     if isinstance(cu_seqlens, mx.array):
-        if cu_seqlens.ndim != 1 or not mx.issubdtype(cu_seqlens.dtype, mx.integer):
-            raise ValueError(f"{fn}(): cu_seqlens must be a 1-d integer array, got shape "
-                             f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-        cu = cu_seqlens.tolist()
-    else:
-        cu = [int(c) for c in cu_seqlens]
+        if not mx.issubdtype(cu_seqlens.dtype, mx.integer):
+            raise TypeError(f"{fn}(): cu_seqlens must be integers, got dtype "
+                            f"{str(cu_seqlens.dtype).replace('mlx.core.', '')}")
+        if cu_seqlens.ndim != 1:
+            raise ValueError(f"{fn}(): cu_seqlens must be 1-d, got shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    try:  # operator.index takes Python and numpy integers, and refuses floats
+        cu = [operator.index(c) for c in cu_seqlens]
+    except TypeError:
+        raise TypeError(f"{fn}(): cu_seqlens must be a 1-d sequence of integers, got "
+                        f"{cu_seqlens!r}") from None
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{fn}(): cu_seqlens must rise from 0 to the number of tokens {T}, got "
                          f"{cu}")
@@ -189,11 +208,11 @@ class _Sequences:
 
 
 def _run(rec, fn, seq, params, initial_state, output_final_state, cu_seqlens, reverse, backend,
-         seg, after_packing=None, state_v_first=False):
+         seg, out_dtype, after_packing=None, state_v_first=False, state_dtype=mx.float32):
     """Run ``rec`` on the per-step inputs ``seq`` (``[B, T, ...]``, by the spec's names) and the
     time-invariant ``params`` over the sequences ``cu_seqlens`` describes; ``after_packing`` maps
     the packed per-step inputs (log gates to gates: padding must stay the identity step).
-    Returns FLA's ``(o, final_state or None)``."""
+    Returns FLA's ``(o, final_state or None)``, in ``out_dtype`` and ``state_dtype``."""
     first = next(iter(seq.values()))
     sequences = _Sequences(fn, first.shape[0], first.shape[1], cu_seqlens, reverse)
     packed = {k: sequences.pack(x) for k, x in seq.items()}
@@ -212,7 +231,8 @@ def _run(rec, fn, seq, params, initial_state, output_final_state, cu_seqlens, re
                    backend=backend, seg=seg)
     if state_v_first:
         final = final.swapaxes(-1, -2)
-    return sequences.unpack(o), (final if output_final_state else None)
+    o = sequences.unpack(o).astype(out_dtype)
+    return o, (final.astype(state_dtype) if output_final_state else None)
 
 
 def _scale(fn, scale, K):
@@ -221,6 +241,24 @@ def _scale(fn, scale, K):
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"{fn}(): scale must be a positive number, got {scale!r}")
     return float(scale)
+
+
+def _retired_keywords(fn, head_first, state_v_first=False, transpose_state_layout=None):
+    """FLA's retired keywords: ``head_first=True`` is refused (inputs are time-major);
+    ``transpose_state_layout`` is the deprecated name of ``state_v_first``. Returns
+    ``state_v_first``."""
+    if head_first:
+        raise ValueError(f"{fn}(): head_first=True is not supported: inputs are time-major, "
+                         "[B, T, H, ...] (FLA removed the head-first layout); pass "
+                         "x.swapaxes(1, 2) for a head-first x")
+    if transpose_state_layout is None:
+        return state_v_first
+    if state_v_first:
+        raise ValueError(f"{fn}(): pass state_v_first or its deprecated name "
+                         "transpose_state_layout, not both")
+    warnings.warn(f"{fn}(): transpose_state_layout is deprecated; it is now named state_v_first",
+                  DeprecationWarning, stacklevel=3)
+    return bool(transpose_state_layout)
 
 
 def _l2norm(x):
@@ -243,7 +281,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                                      A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
-                                     *, backend="auto", seg=None):
+                                     *, backend="auto", seg=None, head_first=False,
+                                     transpose_state_layout=None):
     """Gated DeltaNet, ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule``.
 
     Per step and value head: ``S <- exp(g) exp(gk[i]) exp(gv[j]) S`` (each gate optional), then
@@ -267,6 +306,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     channel, otherwise the bundled ``gated_deltanet`` spec runs.
     """
     fn = "fused_recurrent_gated_delta_rule"
+    state_v_first = _retired_keywords(fn, head_first, state_v_first, transpose_state_layout)
     sizes = {}
     _check(fn, "q", q, "B T H K", sizes)
     _check(fn, "k", k, "B T H K", sizes)
@@ -308,12 +348,12 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                    gv=gv if gv is not None else mx.zeros((B, T, HV, V), q.dtype),
                    beta=beta if beta.ndim == 4 else mx.broadcast_to(beta[..., None], v.shape))
     return _run(rec, fn, seq, {}, initial_state, output_final_state, cu_seqlens, False, backend,
-                seg, state_v_first=state_v_first)
+                seg, v.dtype, state_v_first=state_v_first)
 
 
 def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=False,
-                               cu_seqlens=None, *, backend="auto", seg=None):
+                               cu_seqlens=None, *, backend="auto", seg=None, head_first=False):
     """DeltaNet, ``fla.ops.delta_rule.fused_recurrent_delta_rule``.
 
     Per step and head: ``S <- S + beta k (v - k^T S)``, ``o = S^T (scale q)``. q, k
@@ -325,6 +365,7 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
     with zero gates); no other difference from FLA beyond the module's list.
     """
     fn = "fused_recurrent_delta_rule"
+    _retired_keywords(fn, head_first)
     sizes = {}
     _check(fn, "q", q, "B T H K", sizes)
     _check(fn, "k", k, "B T H K", sizes)
@@ -334,21 +375,23 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
         beta = mx.ones((B, T, H), q.dtype)
     _check(fn, "beta", beta, "B T H" if beta.ndim == 3 else "B T H V", sizes)
     if beta.ndim == 4:
-        return fused_recurrent_gated_delta_rule(
+        o, final = fused_recurrent_gated_delta_rule(
             q, k, v, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
             backend=backend, seg=seg)
+        return o.astype(q.dtype), final
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q = q * _scale(fn, scale, K)
     return _run(load_spec("deltanet"), fn, dict(q=q, k=k, v=v, beta=beta), {}, initial_state,
-                output_final_state, cu_seqlens, False, backend, seg)
+                output_final_state, cu_seqlens, False, backend, seg, q.dtype)
 
 
 def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
                                output_final_state=False, reverse=False, state_v_first=False,
-                               cu_seqlens=None, *, backend="auto", seg=None):
+                               cu_seqlens=None, *, backend="auto", seg=None, head_first=False,
+                               transpose_state_layout=None):
     """GLA with a scalar gate per head, ``fla.ops.simple_gla.fused_recurrent_simple_gla``.
 
     Per step and head: ``S <- exp(g + g_gamma) S + k v^T``, ``o = S^T (scale q)``. q, k
@@ -361,6 +404,7 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
     the module's list.
     """
     fn = "fused_recurrent_simple_gla"
+    state_v_first = _retired_keywords(fn, head_first, state_v_first, transpose_state_layout)
     sizes = {}
     _check(fn, "q", q, "B T H K", sizes)
     _check(fn, "k", k, "B T H K", sizes)
@@ -373,13 +417,14 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
         log_g = log_g + _check(fn, "g_gamma", g_gamma, "H", sizes)
     seq = dict(q=q * _scale(fn, scale, K), k=k, v=v, g=log_g)
     return _run(load_spec("gla"), fn, seq, {}, initial_state, output_final_state, cu_seqlens,
-                reverse, backend, seg, after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
+                reverse, backend, seg, q.dtype, after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
                 state_v_first=state_v_first)
 
 
 def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None,
                         output_final_state=False, reverse=False, state_v_first=False,
-                        cu_seqlens=None, *, backend="auto", seg=None):
+                        cu_seqlens=None, *, backend="auto", seg=None, head_first=False,
+                        transpose_state_layout=None):
     """GLA with a gate per key (and per value) channel, ``fla.ops.gla.fused_recurrent_gla``.
 
     Per step and head: ``S[i, j] <- exp(gk[i] + gv[j]) S[i, j] + k[i] v[j]``,
@@ -390,6 +435,7 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
     No difference from FLA beyond the module's list.
     """
     fn = "fused_recurrent_gla"
+    state_v_first = _retired_keywords(fn, head_first, state_v_first, transpose_state_layout)
     sizes = {}
     _check(fn, "q", q, "B T H K", sizes)
     _check(fn, "k", k, "B T H K", sizes)
@@ -403,7 +449,7 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
     if gv is None and gk is None:  # no decay: the bundled GLA with a gate of exp(0)
         return _run(load_spec("gla"), fn, dict(q=q, k=k, v=v, g=mx.zeros((B, T, H), q.dtype)),
                     {}, initial_state, output_final_state, cu_seqlens, reverse, backend, seg,
-                    after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
+                    q.dtype, after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
                     state_v_first=state_v_first)
     if gv is None:
         rec, seq = gla_gk, dict(q=q, k=k, v=v, gk=gk)
@@ -411,16 +457,19 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
         rec = gla_gk_gv
         seq = dict(q=q, k=k, v=v, gk=gk if gk is not None else mx.zeros(q.shape, q.dtype), gv=gv)
     return _run(rec, fn, seq, {}, initial_state, output_final_state, cu_seqlens, reverse,
-                backend, seg, state_v_first=state_v_first)
+                backend, seg, q.dtype, state_v_first=state_v_first)
 
 
 def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_final_state=False,
                               reverse=False, state_v_first=False, cu_seqlens=None, *,
-                              backend="auto", seg=None):
+                              backend="auto", seg=None, head_first=False,
+                              transpose_state_layout=None):
     """RetNet's retention, ``fla.ops.retention.fused_recurrent_retention``: simple GLA with the
     fixed log decay ``g_gamma[h] = log(1 - 2^(-5 - h))`` of head ``h``. Arguments and results
     as ``fused_recurrent_simple_gla``; no difference from FLA beyond the module's list."""
-    _check("fused_recurrent_retention", "q", q, "B T H K", {})
+    fn = "fused_recurrent_retention"
+    state_v_first = _retired_keywords(fn, head_first, state_v_first, transpose_state_layout)
+    _check(fn, "q", q, "B T H K", {})
     g_gamma = mx.array([math.log(1 - 2.0 ** (-5 - h)) for h in range(q.shape[2])], dtype=q.dtype)
     return fused_recurrent_simple_gla(
         q, k, v, g_gamma=g_gamma, scale=scale,
@@ -429,7 +478,8 @@ def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_fi
 
 
 def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False,
-                          reverse=False, cu_seqlens=None, *, backend="auto", seg=None):
+                          reverse=False, cu_seqlens=None, *, backend="auto", seg=None,
+                          head_first=False):
     """RWKV-6, ``fla.ops.rwkv6.fused_recurrent_rwkv6``.
 
     Per step and head: ``o = (scale r)^T (S + diag(u) k v^T)`` (the state before the step), then
@@ -440,17 +490,19 @@ def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_
     Runs the bundled ``rwkv6`` spec; no difference from FLA beyond the module's list.
     """
     fn = "fused_recurrent_rwkv6"
+    _retired_keywords(fn, head_first)
     sizes = {}
     for name, x, layout in (("r", r, "B T H K"), ("k", k, "B T H K"), ("v", v, "B T H V"),
                             ("w", w, "B T H K"), ("u", u, "H K")):
         _check(fn, name, x, layout, sizes)
     seq = dict(r=r * _scale(fn, scale, k.shape[-1]), k=k, v=v, w=w)
     return _run(load_spec("rwkv6"), fn, seq, {"u": u}, initial_state, output_final_state,
-                cu_seqlens, reverse, backend, seg)
+                cu_seqlens, reverse, backend, seg, v.dtype)
 
 
 def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None,
-                          output_final_state=True, cu_seqlens=None, *, backend="auto", seg=None):
+                          output_final_state=True, cu_seqlens=None, *, backend="auto", seg=None,
+                          head_first=False):
     """RWKV-7, ``fla.ops.rwkv7.fused_recurrent_rwkv7`` (FLA's diagonal-plus-low-rank form).
 
     Per step and head: ``S <- diag(exp(w)) S + b (a^T S) + k v^T``, ``o = S^T (scale r)``.
@@ -461,29 +513,32 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None,
     Runs the bundled ``rwkv7`` spec; no difference from FLA beyond the module's list.
     """
     fn = "fused_recurrent_rwkv7"
+    _retired_keywords(fn, head_first)
     sizes = {}
     for name, x, layout in (("r", r, "B T H K"), ("w", w, "B T H K"), ("k", k, "B T H K"),
                             ("v", v, "B T H V"), ("a", a, "B T H K"), ("b", b, "B T H K")):
         _check(fn, name, x, layout, sizes)
     seq = dict(r=r * _scale(fn, scale, r.shape[-1]), w=w, k=k, v=v, a=a, b=b)
     return _run(load_spec("rwkv7"), fn, seq, {}, initial_state, output_final_state, cu_seqlens,
-                False, backend, seg)
+                False, backend, seg, v.dtype)
 
 
 def fused_recurrent_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=None, *,
-                         backend="auto", seg=None):
+                         backend="auto", seg=None, head_first=False):
     """HGRN, ``fla.ops.hgrn.fused_recurrent_hgrn``: ``h <- exp(g) h + x``, ``o = h``.
 
     x, g (log forget gate) ``[B, T, D]``, initial_state ``[N, D]``, cu_seqlens. Returns
-    ``(o [B, T, D], final_state [N, D] or None)``. Runs the bundled ``rglru`` spec with
-    ``a = exp(g)``; the final state is fp32 (FLA: the input's dtype).
+    ``(o [B, T, D], final_state [N, D] or None)``, both in x's dtype (as FLA). Runs the bundled
+    ``rglru`` spec with ``a = exp(g)``.
     """
     fn = "fused_recurrent_hgrn"
+    _retired_keywords(fn, head_first)
     sizes = {}
     _check(fn, "x", x, "B T D", sizes)
     _check(fn, "g", g, "B T D", sizes)
     return _run(load_spec("rglru"), fn, dict(a=g, x=x), {}, initial_state, output_final_state,
-                cu_seqlens, False, backend, seg, after_packing=lambda p: {**p, "a": mx.exp(p["a"])})
+                cu_seqlens, False, backend, seg, x.dtype,
+                after_packing=lambda p: {**p, "a": mx.exp(p["a"])}, state_dtype=x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ finding planted bugs (inputs of both signs, initial-state gradients, an independ
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 
@@ -10,6 +12,8 @@ import mlx_recgen as rg
 from mlx_recgen import cli
 from mlx_recgen.backends.mlx_backend import MLXBackend
 from mlx_recgen.render.expr import MLXPrinter
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _main(capsys, *argv):
@@ -28,6 +32,8 @@ def bad_spec_files(tmp_path):
                        '               outputs={"y": "B L Q"})\n'
                        'def bad(h, x):\n    h = h + x\n    return {"y": h}\n'),
         "empty": "x = 1\n",
+        "exits": "import sys\nsys.exit()\n",
+        "exits_3": "raise SystemExit(3)\n",
     }
     for name, text in files.items():
         (tmp_path / f"{name}.py").write_text(text)
@@ -48,6 +54,12 @@ def bad_spec_files(tmp_path):
     (["adjoint", "{dir}/spec_error.py"], r"spec 'bad': output 'y' lacks the lane axis 'D'"),
     (["adjoint", "{dir}/empty.py"], r"spec 'empty': .*empty.py defines no recurrence"),
     (["show", "{dir}/missing.py"], r"spec file not found: .*missing.py"),
+    (["show", "{dir}/exits.py"], r"cannot load spec file '.*exits.py': SystemExit: it exits at "
+                                 r"import \(code None\)"),
+    (["adjoint", "{dir}/exits_3.py:f"], r"cannot load spec file '.*exits_3.py:f': SystemExit: "
+                                        r"it exits at import \(code 3\)"),
+    (["show", "{dir}/in:a/missing.py"], r"spec file not found: .*/in:a/missing.py$"),
+    (["show", "{dir}/in:a/missing.py:name"], r"spec file not found: .*/in:a/missing.py$"),
 ])
 def test_errors_are_one_line_on_stderr(capsys, bad_spec_files, argv, message):
     import re
@@ -79,6 +91,40 @@ def test_show_prints_the_chunked_kernels(capsys, kernel):
     rc, out, _ = _main(capsys, "show", "gla", "--kernel", kernel, "--backend", "cuda")
     assert rc == 0 and f"custom_kernel_recgen_gla_{kernel}" in out
     assert ("element" if "carry" in kernel else "segment") in out
+
+
+def test_spec_file_in_a_directory_named_with_a_colon(capsys, tmp_path):
+    """A ':' in a directory's name belongs to the path; ``path.py:name`` still names a
+    recurrence."""
+    folder = tmp_path / "in:a"
+    folder.mkdir()
+    (folder / "delta_rule.py").write_text((EXAMPLES / "delta_rule.py").read_text())
+    for spec in (folder / "delta_rule.py", f"{folder / 'delta_rule.py'}:delta_rule"):
+        rc, out, err = _main(capsys, "adjoint", str(spec))
+        assert rc == 0 and err == "" and out.startswith("forward step:")
+
+
+def test_show_metal_sim_prints_the_metal_kernel(capsys):
+    """The simulator runs the Metal text as it is: ``show --backend metal-sim`` prints it."""
+    for kernel in ("forward", "summary"):
+        rc, metal, _ = _main(capsys, "show", "gla", "--kernel", kernel, "--backend", "metal")
+        rc_sim, sim, err = _main(capsys, "show", "gla", "--kernel", kernel, "--backend",
+                                 "metal-sim")
+        assert rc == rc_sim == 0 and err == "" and sim == metal and "kernel" in sim
+
+
+def test_check_says_where_its_backend_came_from(capsys, monkeypatch):
+    """check's default backend (metal-sim) is reported as the default, a requested one as
+    requested."""
+    monkeypatch.setattr(cli, "check", lambda rec, backend, seg, sizes: ([("output h", 0.0)],
+                                                                          "stub inputs"))
+    rc, out, err = _main(capsys, "check", "rglru")
+    assert rc == 0 and err == ""
+    assert "rglru on backend 'metal-sim' (the default; --backend chooses another)" in out
+    rc, out, err = _main(capsys, "check", "rglru", "--backend", "metal-sim")
+    assert rc == 0 and "rglru on backend 'metal-sim' (requested with --backend)" in out
+    rc, out, err = _main(capsys, "check", "rglru", "--backend", "auto")
+    assert rc == 0 and f"rglru on backend '{rg.default_backend()}' (the best available" in out
 
 
 def test_traceback_flag_reraises(capsys):

@@ -1,11 +1,15 @@
-"""The training example runs: two steps of each layer at tiny sizes, with --compare."""
+"""The training example runs: two steps of each layer at tiny sizes, with --compare; by
+default, and as the documentation runs it, it writes outside the files the repository keeps."""
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import re
 import runpy
+import shlex
 
 import pytest
 
@@ -34,3 +38,28 @@ def test_train_tiny_lm_two_steps(example, layer, tmp_path, capsys):
     # the same model from the same weights on the same batch: the same first loss
     assert abs(c["first_loss"] - c["first_loss_loop"]) < 1e-4 * c["first_loss"]
     assert capsys.readouterr().out.startswith("def ")
+
+
+def _documented_commands():
+    """The example's command lines in the README's and docs pages' bash blocks."""
+    pages = [os.path.join(ROOT, "README.md"),
+             *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    for page in pages:
+        with open(page) as f:
+            for block in re.findall(r"```bash\n(.*?)```", f.read(), re.S):
+                for line in block.replace("\\\n", " ").splitlines():
+                    if "examples/train_tiny_lm.py" in line:
+                        yield line.split("examples/train_tiny_lm.py", 1)[1].split("#")[0]
+
+
+def test_runs_write_outside_the_kept_results(example):
+    """A run writes to runs/tiny-lm (ignored by git) unless told otherwise, and no documented
+    command writes over the results kept in benchmarks/results."""
+    assert example["parse_args"]([]).out == "runs/tiny-lm"
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "/runs/" in f.read().split()
+    commands = list(_documented_commands())
+    assert commands
+    for command in commands:
+        out = example["parse_args"](shlex.split(command)).out
+        assert out.split("/")[0] == "runs", (command, out)

@@ -494,6 +494,86 @@ def test_fallbacks_answer_as_mlx_lm():
             assert mx.array_equal(g[1], w[1]), reason
 
 
+def test_float64_falls_back_to_mlx_lm():
+    """mlx-lm's MLX ops take float64 arrays (on the CPU), a recurrence does not: such calls, a
+    float64 state beside fp32 inputs included, run the original and are counted with the
+    reason."""
+    f64 = mx.float64
+
+    def as_f64(arrays):
+        return {k: v.astype(f64) if isinstance(v, mx.array) else v for k, v in arrays.items()}
+
+    x, a = normal(2, 9, 12, seed=70), mx.sigmoid(normal(2, 9, 12, seed=72))
+    cases = {
+        "ssm_update": lambda: ssm.ssm_update(**as_f64(ssm_inputs())),
+        "ssm_update, float64 state": lambda: ssm.ssm_update(
+            **ssm_inputs(), state=normal(3, 4, 8, 16, seed=50).astype(f64)),
+        "gated_delta_update": lambda: gated_delta.gated_delta_update(
+            **as_f64(gated_delta_inputs())),
+        "gated_delta_update, float64 state": lambda: gated_delta.gated_delta_update(
+            **gated_delta_inputs(), state=normal(2, 4, 8, 16, seed=60).astype(f64)),
+        "rnn_scan": lambda: recurrent_gemma.rnn_scan(x.astype(f64), a.astype(f64), None),
+        "rnn_scan, float64 h0": lambda: recurrent_gemma.rnn_scan(
+            x, a, normal(2, 12, seed=71).astype(f64)),
+    }
+    with mx.stream(mx.cpu):  # float64 runs on the CPU only
+        for case, run in cases.items():
+            want, got, routing = both(run, "mlx")
+            helper = case.split(",")[0]
+            assert not routing.routed, case
+            [(key, count)] = routing.fallbacks.items()
+            assert key[0] == helper and count == 1, case
+            assert key[1].startswith("float64 ") and key[1].endswith(
+                "(a recurrence takes float32, float16 or bfloat16)"), key
+            for g, w in zip(tree_flatten(got), tree_flatten(want)):
+                assert g[1].dtype == w[1].dtype and mx.array_equal(g[1], w[1]), case
+
+
+# -- the simulator ------------------------------------------------------------------------------
+
+
+def test_simulator_reports_an_input_that_fails_when_evaluated():
+    """The simulator reads a routed helper's inputs when it is called; mlx-lm builds a lazy
+    graph. An input computed by an operation that fails only when evaluated (gather_mm in fp16
+    on the CPU, as in mlx-lm's fp16 mixture-of-experts models) is reported as that, with the
+    way out, not as the helper's failure."""
+    with mx.stream(mx.cpu):
+        experts = normal(3, 12, 12, seed=1).astype(mx.float16)
+        x = normal(2, 9, 1, 12, seed=2).astype(mx.float16)
+        x = mx.gather_mm(x, experts, rhs_indices=mx.array([[0], [2]]))[:, :, 0]  # [2, 9, 12]
+        try:
+            mx.eval(x)
+        except RuntimeError:
+            pass
+        else:
+            pytest.skip("this MLX evaluates gather_mm in fp16 on the CPU")
+    a = mx.sigmoid(normal(2, 9, 12, seed=3)).astype(mx.float16)
+    y, h = recurrent_gemma.rnn_scan(x, a, None)  # lazy: what mlx-lm's model tests check
+    assert y.shape == (2, 9, 12) and y.dtype == mx.float16
+    with patch("mlx"):
+        y, h = recurrent_gemma.rnn_scan(x, a, None)
+    assert y.shape == (2, 9, 12) and y.dtype == mx.float16
+    with patch("metal-sim") as routing:
+        with pytest.raises(RuntimeError, match=r"mlx-lm's rnn_scan under backend='metal-sim': "
+                                               r"evaluating its inputs failed: \[GatherMM::eval\]"
+                                               r".* backend='mlx' stays lazy") as error:
+            recurrent_gemma.rnn_scan(x, a, None)
+    assert "GatherMM" in str(error.value.__cause__)
+    assert not routing.routed and not routing.fallbacks
+
+
+@pytest.mark.sim
+def test_simulator_under_compile_says_so_itself():
+    """Under mx.compile nothing can be evaluated: the simulator's own error, not the one for an
+    input that fails when evaluated."""
+    from mlx_recgen.sim import SimulatorTransformError
+
+    x, a = normal(2, 9, 12, seed=4), mx.sigmoid(normal(2, 9, 12, seed=5))
+    with patch("metal-sim"):
+        with pytest.raises(SimulatorTransformError, match="cannot run under mx.compile"):
+            mx.compile(lambda x, a: recurrent_gemma.rnn_scan(x, a, None))(x, a)
+
+
 # -- patching -----------------------------------------------------------------------------------
 
 
@@ -539,6 +619,25 @@ def test_patch_refuses_unknown_options():
     with pytest.raises(ValueError, match="schedule"):
         patch(schedule="parallel")
     assert integration._active is None
+
+
+def test_patch_refuses_a_backend_that_cannot_run_here(monkeypatch):
+    """At ``patch()``, not at the first routed call: Metal without Metal, CUDA without CUDA, the
+    simulator without a C++ compiler."""
+    from mlx_recgen.sim import SimulatorSetupError, compiler
+
+    if not mx.metal.is_available():
+        with pytest.raises(RuntimeError, match=r"backend='metal' needs MLX with Metal"):
+            patch(backend="metal")
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        with pytest.raises(RuntimeError, match=r"backend='cuda' needs MLX's CUDA build"):
+            patch(backend="cuda")
+    monkeypatch.setattr(compiler, "_compiler", None)  # forget the compiler found so far
+    monkeypatch.setenv("MLX_RECGEN_SIM_CXX", "no-such-c++-compiler")
+    with pytest.raises(SimulatorSetupError, match=r"needs a C\+\+17 compiler"):
+        patch(backend="metal-sim")
+    assert integration._active is None
+    assert not hasattr(gated_delta.gated_delta_update, "__mlx_recgen_patch__")
 
 
 # -- fine-tuning from the command line ----------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from conftest import rel_err
@@ -396,8 +397,8 @@ def test_argument_errors():
         ops.fused_recurrent_simple_gla(q, k, v, g[:, :5])
     with pytest.raises(ValueError, match=r"scale must be a positive number"):
         ops.fused_recurrent_delta_rule(q, k, v, scale=-1.0)
-    with pytest.raises(TypeError, match=r"unexpected keyword argument 'head_first'"):
-        ops.fused_recurrent_rwkv6(q, k, v, _n(2, 6, H, K), _n(H, K), head_first=False)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'layout'"):
+        ops.fused_recurrent_rwkv6(q, k, v, _n(2, 6, H, K), _n(H, K), layout="BTHK")
     A = _n(6, K)
     with pytest.raises(ValueError, match=r"selective_scan_fn\(\): an input-independent 'B' "
                                          r"\[D, N\] is not supported"):
@@ -407,3 +408,115 @@ def test_argument_errors():
                               _n(1, K, 4))
     with pytest.raises(ValueError, match=r"groups must agree and divide the 6 channels"):
         ops.selective_scan_fn(_n(1, 6, 4), _n(1, 6, 4), A, _n(1, 4, K, 4), _n(1, K, 4))
+
+
+@pytest.mark.parametrize("cu_seqlens", [[0, 3.7, 6], np.array([0, 3.0, 6.0]), [0, 3, 6.5],
+                                        mx.array([0.0, 3.0, 6.0]), [0, np.float32(3), 6]],
+                         ids=["float in a list", "float numpy array", "float last offset",
+                              "float mx.array", "numpy float scalar"])
+def test_float_cu_seqlens_are_refused(cu_seqlens):
+    """Float offsets are refused, not truncated (3.7 would silently become 3); integer numpy
+    arrays and numpy integers are offsets like any other."""
+    q, k, v = _qkv(1, 6).values()
+    g = _n(1, 6, H, scale=0.3)
+    for fn, args in ((ops.fused_recurrent_simple_gla, (q, k, v, g)),
+                     (ops.selective_scan_fn, (_n(1, 6, 4), _n(1, 6, 4), _n(6, K), _n(1, K, 4),
+                                              _n(1, K, 4)))):
+        with pytest.raises(TypeError, match=r"cu_seqlens must be"):
+            fn(*args, cu_seqlens=cu_seqlens, backend="mlx")
+    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-d"):
+        ops.fused_recurrent_simple_gla(q, k, v, g, cu_seqlens=mx.array([[0, 3, 6]]))
+    want, _ = ops.fused_recurrent_simple_gla(q, k, v, g, cu_seqlens=[0, 3, 6], backend="mlx")
+    for integers in (np.array([0, 3, 6]), [0, np.int64(3), 6], mx.array([0, 3, 6])):
+        got, _ = ops.fused_recurrent_simple_gla(q, k, v, g, cu_seqlens=integers, backend="mlx")
+        assert mx.array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLA's call conventions: retired keywords, result dtypes
+# ---------------------------------------------------------------------------------------------
+
+
+def _fla_calls(B=1, T=6, dtypes=None):
+    """Every FLA function with small inputs: name -> (function, positional arguments). ``dtypes``
+    casts inputs by name (the rest stay fp32)."""
+    dtypes = dtypes or {}
+    a = {"q": _n(B, T, H, K, scale=0.5), "k": _n(B, T, H, K, scale=0.5), "v": _n(B, T, H, V),
+         "g": _n(B, T, H, scale=0.3), "gk": _n(B, T, H, K, scale=0.3),
+         "w": _n(B, T, H, K, scale=0.3), "u": _n(H, K, scale=0.5), "a": _n(B, T, H, K, scale=0.4), "b": _n(B, T, H, K, scale=0.4),
+         "x": _n(B, T, V), "gx": _n(B, T, V, scale=0.3)}
+    a = {n: x.astype(dtypes.get(n, mx.float32)) for n, x in a.items()}
+    q, k, v, g, gk, w, u, ra, rb, x, gx = a.values()
+    return {"fused_recurrent_gated_delta_rule": (ops.fused_recurrent_gated_delta_rule,
+                                                 (q, k, v, g)),
+            "fused_recurrent_delta_rule": (ops.fused_recurrent_delta_rule, (q, k, v)),
+            "fused_recurrent_simple_gla": (ops.fused_recurrent_simple_gla, (q, k, v, g)),
+            "fused_recurrent_gla": (ops.fused_recurrent_gla, (q, k, v, gk)),
+            "fused_recurrent_retention": (ops.fused_recurrent_retention, (q, k, v)),
+            "fused_recurrent_rwkv6": (ops.fused_recurrent_rwkv6, (q, k, v, w, u)),
+            "fused_recurrent_rwkv7": (ops.fused_recurrent_rwkv7, (q, w, k, v, ra, rb)),
+            "fused_recurrent_hgrn": (ops.fused_recurrent_hgrn, (x, gx))}
+
+
+V_FIRST = ["fused_recurrent_gated_delta_rule", "fused_recurrent_simple_gla", "fused_recurrent_gla",
+           "fused_recurrent_retention"]
+
+
+@pytest.mark.parametrize("name", V_FIRST)
+def test_transpose_state_layout_is_a_deprecated_state_v_first(name):
+    """FLA renamed ``transpose_state_layout`` to ``state_v_first`` and still takes the old name,
+    with a DeprecationWarning; both at once is an error."""
+    fn, args = _fla_calls()[name]
+    h0 = _n(1, H, V, K, scale=0.5)
+    common = dict(initial_state=h0, output_final_state=True, backend="mlx")
+    want = fn(*args, state_v_first=True, **common)
+    with pytest.warns(DeprecationWarning, match=rf"{name}\(\): transpose_state_layout is "
+                                                r"deprecated; it is now named state_v_first"):
+        got = fn(*args, transpose_state_layout=True, **common)
+    assert got[1].shape == (1, H, V, K)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w)
+    with pytest.warns(DeprecationWarning):
+        plain = fn(*args, transpose_state_layout=False, output_final_state=True, backend="mlx")
+    assert plain[1].shape == (1, H, K, V)
+    with pytest.raises(ValueError, match=r"state_v_first or its deprecated name "
+                                         r"transpose_state_layout, not both"):
+        fn(*args, state_v_first=True, transpose_state_layout=True, **common)
+
+
+@pytest.mark.parametrize("name", list(_fla_calls()))
+def test_head_first_false_is_accepted_true_is_refused(name):
+    """FLA's inputs are time-major only: ``head_first=False`` says so and changes nothing;
+    ``head_first=True`` asks for a layout that is not there."""
+    fn, args = _fla_calls()[name]
+    want = fn(*args, output_final_state=True, backend="mlx")
+    got = fn(*args, output_final_state=True, backend="mlx", head_first=False)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w)
+    with pytest.raises(ValueError, match=rf"{name}\(\): head_first=True is not supported: "
+                                         r"inputs are time-major, \[B, T, H, \.\.\.\]"):
+        fn(*args, head_first=True, backend="mlx")
+
+
+# FLA allocates o like v (gated delta rule, RWKV-6, RWKV-7), like q (delta rule, the GLA
+# family) or like x (HGRN); final states in fp32, HGRN's like x.
+OUTPUT_LIKE = {"fused_recurrent_gated_delta_rule": "v", "fused_recurrent_delta_rule": "q",
+               "fused_recurrent_simple_gla": "q", "fused_recurrent_gla": "q",
+               "fused_recurrent_retention": "q", "fused_recurrent_rwkv6": "v",
+               "fused_recurrent_rwkv7": "v", "fused_recurrent_hgrn": "x"}
+
+
+@pytest.mark.parametrize("name", list(OUTPUT_LIKE))
+def test_result_dtypes_follow_fla_when_inputs_mix_dtypes(name):
+    like = OUTPUT_LIKE[name]
+    for dtype in (mx.bfloat16, mx.float16):
+        fn, args = _fla_calls(dtypes={like: dtype})[name]
+        o, final = fn(*args, output_final_state=True, backend="mlx")
+        assert o.dtype == dtype, (dtype, o.dtype)
+        assert final.dtype == (dtype if name == "fused_recurrent_hgrn" else mx.float32)
+        exact, exact_final = fn(*[x.astype(mx.float32) for x in args], output_final_state=True,
+                                backend="mlx")
+        assert rel_err(o, exact) < 1e-2 and rel_err(final, exact_final) < 1e-2
+    fn, args = _fla_calls()[name]  # one dtype throughout: o in it
+    o, _ = fn(*[x.astype(mx.bfloat16) for x in args], backend="mlx")
+    assert o.dtype == mx.bfloat16

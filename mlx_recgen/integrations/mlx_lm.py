@@ -52,14 +52,22 @@ and step-size preprocessing (``A_log``, ``dt_bias``, ``time_step_limit`` with in
   the routed form does what the original would.
 * ``rnn_scan``: with or without ``h0``, one step or many.
 
-Falls back to the original (counted in ``Patch.fallbacks`` with the reason) for: arrays outside
-the layouts above, or empty; a non-bool mask; ``ssm_update`` with ``lengths`` but no mask, with a
-mask whose blocks mlx-lm hands on differently from a recurrence (a padded tail without
-``lengths``, as nemotron_h's right-padded prefill passes it; ``lengths`` beyond a short last
-block; a mask that contradicts ``lengths``), or with a mask under ``mx.compile`` or ``mx.vmap``
-(its values decide the form); ``gated_delta_update`` with value heads that are not a multiple of
-the key heads; ``rnn_scan`` with a gate of another shape or dtype than ``x`` (the original's
-assertions then raise as before). The original then answers: never a different result.
+Falls back to the original (counted in ``Patch.fallbacks`` with the reason) for: float arrays of
+another dtype than float32, float16 and bfloat16 (float64, which mlx-lm's MLX ops take on the CPU),
+states included; arrays outside the layouts above, or empty; a non-bool mask; ``ssm_update`` with
+``lengths`` but no mask, with a mask whose blocks mlx-lm hands on differently from a recurrence (a
+padded tail without ``lengths``, as nemotron_h's right-padded prefill passes it; ``lengths`` beyond
+a short last block; a mask that contradicts ``lengths``), or with a mask under ``mx.compile`` or
+``mx.vmap`` (its values decide the form); ``gated_delta_update`` with value heads that are not a
+multiple of the key heads; ``rnn_scan`` with a gate of another shape or dtype than ``x`` (the
+original's assertions then raise as before). The original then answers: never a different result.
+
+Under ``backend="metal-sim"`` a routed helper evaluates its inputs when it is called (the
+simulator runs kernels on the CPU through numpy), where mlx-lm only builds a lazy graph: an
+operation upstream that fails when evaluated fails there, and is reported as such
+(``RuntimeError`` naming the helper and the upstream error). mlx-lm's fp16 mixture-of-experts
+models on the CPU are the known case (``gather_mm`` evaluates only fp32 there): their shape and
+dtype checks pass unpatched, never evaluating. ``backend="mlx"`` stays lazy.
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ import mlx.nn as nn
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, exp, where
-from mlx_recgen.function import BACKENDS
+from mlx_recgen.function import BACKENDS, FLOAT_DTYPES
 from mlx_recgen.schedule import SCHEDULES
 
 MIN_MLX_LM = (0, 32, 2)  # from this release on, ssm_attn masks the decay of padded steps
@@ -183,7 +191,29 @@ def _run(rec, options, *args, **kwargs):
     schedule = options["schedule"]
     if schedule == "chunked" and not rec.time_parallel:
         schedule = "sequential"
+    if options["backend"] == "metal-sim":
+        _evaluate_for_simulator([*args, *kwargs.values()])
     return rec(*args, backend=options["backend"], schedule=schedule, return_state=True, **kwargs)
+
+
+_TRANSFORMED = "function transformations"  # in MLX's error for an eval under compile or vmap
+
+
+class _InputsFailed(Exception):
+    """Evaluating a routed helper's inputs for the simulator failed; the cause is chained."""
+
+
+def _evaluate_for_simulator(arguments):
+    """Evaluate the recurrence's array arguments, as the simulator is about to (it runs kernels
+    on the CPU through numpy, so it reads its inputs' values when called, where mlx-lm only
+    builds a lazy graph): an operation upstream that fails when evaluated is then reported as
+    that, not as a failure of the routed helper. Under ``mx.compile`` or ``mx.vmap`` nothing can
+    be evaluated; the simulator says so itself."""
+    try:
+        mx.eval([a for a in arguments if isinstance(a, mx.array)])
+    except (RuntimeError, ValueError) as exc:
+        if _TRANSFORMED not in str(exc):
+            raise _InputsFailed() from exc
 
 
 def _on_metal() -> bool:
@@ -201,6 +231,18 @@ class _Unsupported(Exception):
 def _require(condition, reason: str):
     if not condition:
         raise _Unsupported(reason)
+
+
+def _require_recurrence_dtypes(arguments: dict):
+    """A recurrence takes float32, float16 and bfloat16 arrays; mlx-lm's MLX ops take float64
+    too (on the CPU): such calls are the original's."""
+    other = {}
+    for name, x in arguments.items():
+        if (isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating)
+                and x.dtype not in FLOAT_DTYPES):
+            other.setdefault(str(x.dtype).replace("mlx.core.", ""), []).append(name)
+    _require(not other, "; ".join(f"{dtype} {', '.join(names)}" for dtype, names in other.items())
+             + " (a recurrence takes float32, float16 or bfloat16)")
 
 
 def _is_array(x, kind=mx.floating, ndim=None) -> bool:
@@ -403,10 +445,19 @@ class Patch:
                 return original(*args, **kwargs)  # raises as the original does
             bound.apply_defaults()
             try:
+                _require_recurrence_dtypes(bound.arguments)
                 result = implementation(self.options, **bound.arguments)
             except _Unsupported as exc:
                 self.fallbacks[(name, str(exc))] += 1
                 return original(*args, **kwargs)
+            except _InputsFailed as exc:
+                raise RuntimeError(
+                    f"mlx-lm's {name} under backend='metal-sim': evaluating its inputs failed: "
+                    f"{exc.__cause__}. The simulator runs kernels on the CPU through numpy, so it "
+                    "evaluates a routed helper's inputs when the helper is called, where mlx-lm "
+                    "builds a lazy graph; the operation that computes them fails when evaluated "
+                    "on this device and dtype (mlx-lm's own result would fail so when "
+                    "evaluated). backend='mlx' stays lazy.") from exc.__cause__
             self.routed[name] += 1
             return result
 
@@ -466,13 +517,15 @@ def patch(backend: str = "auto", schedule: str = "auto") -> Patch:
 
     Returns the ``Patch``: a context manager, or call its ``undo()``. Raises ``ValueError`` for an
     unknown backend or schedule, ``ImportError`` without mlx-lm (or one older than 0.32.2), and
-    ``RuntimeError`` while another patch is active or where mlx-lm's helpers take other
-    parameters than the ones reproduced here."""
+    ``RuntimeError`` where the backend cannot run on this machine (``"metal"`` without Metal,
+    ``"cuda"`` without CUDA, ``"metal-sim"`` without a C++ compiler), while another patch is
+    active, or where mlx-lm's helpers take other parameters than the ones reproduced here."""
     global _active
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _require_device(backend)
     if _active is not None:
         raise RuntimeError(f"mlx-lm is already patched ({_active!r}); undo that patch first")
     import mlx_lm
@@ -485,6 +538,18 @@ def patch(backend: str = "auto", schedule: str = "auto") -> Patch:
     handle._install()
     _active = handle
     return handle
+
+
+def _require_device(backend: str):
+    """Raise now, not at the first routed call, where ``backend`` cannot run here."""
+    if backend in ("metal", "cuda"):
+        from mlx_recgen.backends.kernels import kernel_factory
+
+        kernel_factory(backend)  # raises without the device
+    elif backend == "metal-sim":
+        from mlx_recgen.sim import find_compiler
+
+        find_compiler()  # raises without a C++ compiler
 
 
 # -- command line ------------------------------------------------------------------------------
