@@ -430,8 +430,8 @@ def test_errors():
         second(inputs[0])
 
 
-def test_readme_shows_the_example():
-    with open(os.path.join(HERE, "..", "README.md")) as f:
+def test_docs_show_the_example():
+    with open(os.path.join(HERE, "..", "docs", "distributed.md")) as f:
         readme = f.read()
     with open(os.path.join(HERE, "..", "examples", "sequence_parallel.py")) as f:
         assert f.read() in readme

@@ -229,14 +229,15 @@ def test_references_are_not_degenerate():
 
 
 def test_readme_zoo_table_matches_the_specs():
-    """The README's zoo table lists every bundled spec with its lines and time-parallel flag."""
+    """The spec language page's zoo table lists every bundled spec with its lines and
+    time-parallel flag."""
     import re
     from pathlib import Path
 
     from mlx_recgen.resources import specs_dir
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("### The zoo: bundled specs", 1)[1].split("\n## ", 1)[0]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "spec-language.md").read_text()
+    section = text.split("## The zoo: bundled specs", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| [^|]+ \| (\d+) \| (yes|no) \|$", section, re.M)
     assert sorted(name for name, _, _ in rows) == sorted(rg.list_specs())
     for name, lines, parallel in rows:
