@@ -30,7 +30,8 @@ What differs from FLA (0.6.0, read from its source), for every function:
 * Everything is differentiable, the initial state and the final state included (FLA's
   ``fused_recurrent_gated_delta_rule`` has no backward).
 * Keyword-only extras: ``backend=`` (``"auto"``, ``"mlx"``, ``"metal"``, ``"metal-sim"``,
-  ``"cuda"``) and ``seg=`` (the checkpoint interval, chosen when omitted).
+  ``"cuda"``), ``seg=`` (the checkpoint interval, chosen when omitted) and ``schedule=`` (as for
+  any recurrence: ``"matrix"`` runs GLA, retention and RWKV-6 as chunkwise matrix products).
 
 mamba_ssm's ``selective_scan_fn`` keeps its channel-major layout (``u`` ``[B, D, L]``); see its
 docstring for what differs.
@@ -208,7 +209,8 @@ class _Sequences:
 
 
 def _run(rec, fn, seq, params, initial_state, output_final_state, cu_seqlens, reverse, backend,
-         seg, out_dtype, after_packing=None, state_v_first=False, state_dtype=mx.float32):
+         seg, out_dtype, after_packing=None, state_v_first=False, state_dtype=mx.float32,
+         schedule="auto"):
     """Run ``rec`` on the per-step inputs ``seq`` (``[B, T, ...]``, by the spec's names) and the
     time-invariant ``params`` over the sequences ``cu_seqlens`` describes; ``after_packing`` maps
     the packed per-step inputs (log gates to gates: padding must stay the identity step).
@@ -228,7 +230,7 @@ def _run(rec, fn, seq, params, initial_state, output_final_state, cu_seqlens, re
         if state_v_first:
             initial_state = initial_state.swapaxes(-1, -2)
     o, final = rec(**packed, **params, initial_state=initial_state, return_state=True,
-                   backend=backend, seg=seg)
+                   backend=backend, seg=seg, schedule=schedule)
     if state_v_first:
         final = final.swapaxes(-1, -2)
     o = sequences.unpack(o).astype(out_dtype)
@@ -281,7 +283,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                                      A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
-                                     *, backend="auto", seg=None, head_first=False,
+                                     *, backend="auto", seg=None, schedule="auto", head_first=False,
                                      transpose_state_layout=None):
     """Gated DeltaNet, ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule``.
 
@@ -348,12 +350,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                    gv=gv if gv is not None else mx.zeros((B, T, HV, V), q.dtype),
                    beta=beta if beta.ndim == 4 else mx.broadcast_to(beta[..., None], v.shape))
     return _run(rec, fn, seq, {}, initial_state, output_final_state, cu_seqlens, False, backend,
-                seg, v.dtype, state_v_first=state_v_first)
+                seg, v.dtype, state_v_first=state_v_first, schedule=schedule)
 
 
 def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=False,
-                               cu_seqlens=None, *, backend="auto", seg=None, head_first=False):
+                               cu_seqlens=None, *, backend="auto", seg=None,
+                               schedule="auto", head_first=False):
     """DeltaNet, ``fla.ops.delta_rule.fused_recurrent_delta_rule``.
 
     Per step and head: ``S <- S + beta k (v - k^T S)``, ``o = S^T (scale q)``. q, k
@@ -379,18 +382,19 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
             q, k, v, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            backend=backend, seg=seg)
+            backend=backend, seg=seg, schedule=schedule)
         return o.astype(q.dtype), final
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q = q * _scale(fn, scale, K)
     return _run(load_spec("deltanet"), fn, dict(q=q, k=k, v=v, beta=beta), {}, initial_state,
-                output_final_state, cu_seqlens, False, backend, seg, q.dtype)
+                output_final_state, cu_seqlens, False, backend, seg, q.dtype, schedule=schedule)
 
 
 def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
                                output_final_state=False, reverse=False, state_v_first=False,
-                               cu_seqlens=None, *, backend="auto", seg=None, head_first=False,
+                               cu_seqlens=None, *, backend="auto", seg=None,
+                               schedule="auto", head_first=False,
                                transpose_state_layout=None):
     """GLA with a scalar gate per head, ``fla.ops.simple_gla.fused_recurrent_simple_gla``.
 
@@ -418,12 +422,13 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
     seq = dict(q=q * _scale(fn, scale, K), k=k, v=v, g=log_g)
     return _run(load_spec("gla"), fn, seq, {}, initial_state, output_final_state, cu_seqlens,
                 reverse, backend, seg, q.dtype, after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
-                state_v_first=state_v_first)
+                state_v_first=state_v_first, schedule=schedule)
 
 
 def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None,
                         output_final_state=False, reverse=False, state_v_first=False,
-                        cu_seqlens=None, *, backend="auto", seg=None, head_first=False,
+                        cu_seqlens=None, *, backend="auto", seg=None,
+                        schedule="auto", head_first=False,
                         transpose_state_layout=None):
     """GLA with a gate per key (and per value) channel, ``fla.ops.gla.fused_recurrent_gla``.
 
@@ -450,19 +455,19 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
         return _run(load_spec("gla"), fn, dict(q=q, k=k, v=v, g=mx.zeros((B, T, H), q.dtype)),
                     {}, initial_state, output_final_state, cu_seqlens, reverse, backend, seg,
                     q.dtype, after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
-                    state_v_first=state_v_first)
+                    state_v_first=state_v_first, schedule=schedule)
     if gv is None:
         rec, seq = gla_gk, dict(q=q, k=k, v=v, gk=gk)
     else:
         rec = gla_gk_gv
         seq = dict(q=q, k=k, v=v, gk=gk if gk is not None else mx.zeros(q.shape, q.dtype), gv=gv)
     return _run(rec, fn, seq, {}, initial_state, output_final_state, cu_seqlens, reverse,
-                backend, seg, q.dtype, state_v_first=state_v_first)
+                backend, seg, q.dtype, state_v_first=state_v_first, schedule=schedule)
 
 
 def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_final_state=False,
                               reverse=False, state_v_first=False, cu_seqlens=None, *,
-                              backend="auto", seg=None, head_first=False,
+                              backend="auto", seg=None, schedule="auto", head_first=False,
                               transpose_state_layout=None):
     """RetNet's retention, ``fla.ops.retention.fused_recurrent_retention``: simple GLA with the
     fixed log decay ``g_gamma[h] = log(1 - 2^(-5 - h))`` of head ``h``. Arguments and results
@@ -474,11 +479,13 @@ def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_fi
     return fused_recurrent_simple_gla(
         q, k, v, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, reverse=reverse,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, backend=backend, seg=seg)
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, backend=backend, seg=seg,
+        schedule=schedule)
 
 
 def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False,
                           reverse=False, cu_seqlens=None, *, backend="auto", seg=None,
+                          schedule="auto",
                           head_first=False):
     """RWKV-6, ``fla.ops.rwkv6.fused_recurrent_rwkv6``.
 
@@ -497,11 +504,12 @@ def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_
         _check(fn, name, x, layout, sizes)
     seq = dict(r=r * _scale(fn, scale, k.shape[-1]), k=k, v=v, w=w)
     return _run(load_spec("rwkv6"), fn, seq, {"u": u}, initial_state, output_final_state,
-                cu_seqlens, reverse, backend, seg, v.dtype)
+                cu_seqlens, reverse, backend, seg, v.dtype, schedule=schedule)
 
 
 def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None,
                           output_final_state=True, cu_seqlens=None, *, backend="auto", seg=None,
+                          schedule="auto",
                           head_first=False):
     """RWKV-7, ``fla.ops.rwkv7.fused_recurrent_rwkv7`` (FLA's diagonal-plus-low-rank form).
 
@@ -520,11 +528,11 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None,
         _check(fn, name, x, layout, sizes)
     seq = dict(r=r * _scale(fn, scale, r.shape[-1]), w=w, k=k, v=v, a=a, b=b)
     return _run(load_spec("rwkv7"), fn, seq, {}, initial_state, output_final_state, cu_seqlens,
-                False, backend, seg, v.dtype)
+                False, backend, seg, v.dtype, schedule=schedule)
 
 
 def fused_recurrent_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=None, *,
-                         backend="auto", seg=None, head_first=False):
+                         backend="auto", seg=None, schedule="auto", head_first=False):
     """HGRN, ``fla.ops.hgrn.fused_recurrent_hgrn``: ``h <- exp(g) h + x``, ``o = h``.
 
     x, g (log forget gate) ``[B, T, D]``, initial_state ``[N, D]``, cu_seqlens. Returns
@@ -538,7 +546,8 @@ def fused_recurrent_hgrn(x, g, initial_state=None, output_final_state=False, cu_
     _check(fn, "g", g, "B T D", sizes)
     return _run(load_spec("rglru"), fn, dict(a=g, x=x), {}, initial_state, output_final_state,
                 cu_seqlens, False, backend, seg, x.dtype,
-                after_packing=lambda p: {**p, "a": mx.exp(p["a"])}, state_dtype=x.dtype)
+                after_packing=lambda p: {**p, "a": mx.exp(p["a"])}, state_dtype=x.dtype,
+                schedule=schedule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,7 +556,8 @@ def fused_recurrent_hgrn(x, g, initial_state=None, output_final_state=False, cu_
 
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                      return_last_state=False, cu_seqlens=None, *, backend="auto", seg=None):
+                      return_last_state=False, cu_seqlens=None, *, backend="auto", seg=None,
+                      schedule="auto"):
     """Mamba's selective scan, ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn``.
 
     With ``delta <- softplus(delta + delta_bias)`` (each step optional), per batch, channel d and
@@ -614,7 +624,8 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     first = next(iter(seq.values()))
     sequences = _Sequences(fn, first.shape[0], first.shape[1], cu_seqlens, False)
     packed = {k: sequences.pack(x) for k, x in seq.items()}
-    y, last = rec(**packed, **params, return_state=True, backend=backend, seg=seg)
+    y, last = rec(**packed, **params, return_state=True, backend=backend, seg=seg,
+                  schedule=schedule)
     y = sequences.unpack(y).reshape(Bsz, L, Dm).swapaxes(1, 2)
     if z is not None:
         y = y * (z * mx.sigmoid(z))

@@ -520,3 +520,45 @@ def test_result_dtypes_follow_fla_when_inputs_mix_dtypes(name):
     fn, args = _fla_calls()[name]  # one dtype throughout: o in it
     o, _ = fn(*[x.astype(mx.bfloat16) for x in args], backend="mlx")
     assert o.dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "gla", "retention", "rwkv6"])
+def test_matrix_schedule_through_the_call_forms(name, monkeypatch):
+    """``schedule="matrix"`` through the FLA call forms, packed sequences of unequal lengths
+    (the padding must stay the identity step), against FLA's per-step math."""
+    from mlx_recgen.backends import mlx_matrix
+
+    runs = []
+    run = mlx_matrix.MatrixForm.run
+    monkeypatch.setattr(mlx_matrix.MatrixForm, "run",
+                        lambda self, *a, **k: runs.append(1) or run(self, *a, **k))
+    T = CU[-1]
+    arrays = dict(**_qkv(1, T), h0=_n(3, H, K, V, scale=0.5))
+    log_gamma = mx.array([math.log(1 - 2.0 ** (-5 - h)) for h in range(H)])
+    if name == "simple_gla":
+        arrays["g"] = _n(1, T, H, scale=0.3)
+    elif name in ("gla", "rwkv6"):
+        arrays["g"] = _n(1, T, H, K, scale=0.3)
+    if name == "rwkv6":
+        arrays["u"] = _n(H, K, scale=0.5)
+    call = dict(output_final_state=True, cu_seqlens=CU, backend="mlx", seg=4, schedule="matrix")
+
+    def ours(q, k, v, h0, g=None, u=None):
+        if name == "simple_gla":
+            return list(ops.fused_recurrent_simple_gla(q, k, v, g, initial_state=h0, **call))
+        if name == "gla":
+            return list(ops.fused_recurrent_gla(q, k, v, g, initial_state=h0, **call))
+        if name == "retention":
+            return list(ops.fused_recurrent_retention(q, k, v, initial_state=h0, **call))
+        return list(ops.fused_recurrent_rwkv6(q, k, v, g, u, initial_state=h0, **call))
+
+    def ref(q, k, v, h0, g=None, u=None):
+        if name == "rwkv6":
+            return list(fla_sequences(fla_rwkv6_step(K ** -0.5, u), [q, k, v, g], h0, CU))
+        if name == "retention":
+            g = mx.broadcast_to(log_gamma, (1, T, H))
+        gates = [g, None, None] if name != "gla" else [None, g, None]
+        return list(fla_sequences(fla_gla_step(K ** -0.5), [q, k, v, *gates], h0, CU))
+
+    _compare(ours, ref, arrays)
+    assert runs, "the matrix form did not run"
