@@ -279,3 +279,21 @@ def test_non_finite_values_give_nan_never_a_finite_wrong_number():
         finite = mx.isfinite(got)
         assert mx.all(mx.where(finite, mx.abs(got - want) <= 1e-5 * (1 + mx.abs(want)),
                                mx.isnan(got))).item()
+
+
+def test_instance_scalars_go_to_the_value_side_and_a_scalar_decay_leaves_the_readout():
+    """Mamba-2: ``dt`` (free of the state and the lane axis) goes to ``b``, so ``a = B`` and
+    ``c = C`` stay per group; the scalar decay read after the update leaves ``c`` (applied to
+    the readout's row); a vector decay stays in ``c`` (HGRN2); numbers stay on ``a``."""
+    import sympy
+    form = rg.load_spec("mamba2").matrix
+    sym = {s.name: s for s in rg.load_spec("mamba2").spec.symbols.values()}
+    (a, b), = form.states[0].terms
+    assert a == sym["B"] and b == sym["dt"] * sym["x"]
+    ro, = form.readouts
+    assert ro.coefficients == {sym["h"]: sym["C"]} and ro.decayed == {sym["h"]}
+    hgrn2 = rg.load_spec("hgrn2").matrix
+    f = {s.name: s for s in rg.load_spec("hgrn2").spec.symbols.values()}
+    assert hgrn2.states[0].terms == ((1 - f["f"], f["i"]),)
+    assert not hgrn2.readouts[0].decayed
+    assert sympy.diff(hgrn2.readouts[0].coefficients[f["S"]], f["f"]) != 0

@@ -258,7 +258,7 @@ class MatrixForm(SequentialForm):
                      for r in range(len(st.terms))]
             # a sign not known symbolically: the sign of d(j+1..t) is sign(d(..t)) sign(d(..j)),
             # so it folds into the factors of t and of j
-            sign_ex = sign_end = None
+            sign_ex = sign_end = sg = None
             if not st.positive:
                 sg = chunks.cut(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0), 1.0)
                 sign = _parity(sg, axis=-2)
@@ -278,6 +278,8 @@ class MatrixForm(SequentialForm):
                 y = mm(c_t * mx.exp(from_start), S_start)
                 for a, b in terms:
                     y = y + mm(self._scores(c_t, a, log_d, st.vector_decay, mm), b)
+                if st.symbol in ro.decayed:  # a scalar decay taken out of c: d_t on row t
+                    y = y * (mx.exp(log_d) if sg is None else mx.exp(log_d) * sg)
                 readouts[i] = readouts.get(i, 0.0) + y
         env = {}
         for i, ro in enumerate(self.form.readouts):
