@@ -12,8 +12,10 @@ state axis), every added term factors into a lane-free state-axis vector ``a`` a
 ``b`` free of the state axis, and the outputs read the states only through sums over the state
 axis that are linear in them, with lane-free coefficients ``c``. A readout of the state *after*
 the update (``Σ q[n] S_t[n]``, the usual way a spec is written) is rewritten as one of the state
-before it, ``c = q ⊙ d`` (for a scalar ``d``, ``q`` with ``d`` marked ``decayed``), plus a state-free sum ``Σ_n q[n] a_r[n] · b_r``: every readout is then
-of ``S_{t-1}``, strictly causal. The analysis is symbolic and serves every backend: it yields
+before it, ``c = q ⊙ d``, plus a state-free sum ``Σ_n q[n] a_r[n] · b_r``: every readout is then
+of ``S_{t-1}``, strictly causal. For a scalar ``d`` the coefficient stays ``q`` and the readout
+is marked ``decayed`` (``d_t`` multiplies the whole readout of step ``t``), so ``q`` keeps the
+axes of the inputs it reads (per group of heads, Mamba-2's ``C``). The analysis is symbolic and serves every backend: it yields
 the expressions of ``log d``, ``a``, ``b`` and ``c`` per step and the outputs as functions of
 the readouts (``MatrixForm``), which ``backends/mlx_matrix.py`` evaluates and multiplies.
 
