@@ -176,9 +176,9 @@ class _Members:
                                                *x.shape[self.p + 2:])))
 
 
-def _times(members: dict, g, x, y):
-    """``x * y``, ``x`` per group of axis ``g`` (None: per member) and ``y`` per member."""
-    return x * y if g is None else members[g].times(x, y)
+def _matmul(members: dict, g, x, y, mm):
+    """``x @ y``, ``x`` per group of axis ``g`` (None: per member) and ``y`` per member."""
+    return mm(x, y) if g is None else members[g].matmul(x, y, mm)
 
 
 def _spread(members: dict, g, x):
@@ -350,7 +350,9 @@ class MatrixForm(SequentialForm):
                 sign_ex, sign_end = sign * sg, sign[..., -1:, :]
                 to_end = to_end * sign * sign_end
             # the chunk's end state from its own inputs, and its decay over the whole chunk
-            U = sum(mm(mx.swapaxes(_times(members, la, a, to_end), -1, -2), b)
+            # (a scalar decay scales b, the side that is per member anyway, and a stays per group)
+            U = sum(_matmul(members, la, mx.swapaxes(a, -1, -2), to_end * b, mm)
+                    if not st.vector_decay else mm(mx.swapaxes(a * to_end, -1, -2), b)
                     for a, la, b in terms) if terms else \
                 mx.zeros((*S0.shape[:nb], chunks.nc, *S0.shape[nb:]))
             S_start, S = _carry(S0, whole[..., 0, :], sign_end, U)
@@ -375,7 +377,7 @@ class MatrixForm(SequentialForm):
                 if st.symbol in ro.decayed:  # a scalar decay taken out of c: d_t on row t
                     d_t = mx.exp(log_d) if sg is None else mx.exp(log_d) * sg
                     row, w = row * d_t, w * d_t
-                y = row * (mm(c_t, S_start) if lc is None else members[lc].matmul(c_t, S_start, mm))
+                y = row * _matmul(members, lc, c_t, S_start, mm)
                 for a, la, b in terms:
                     if la == lc and lc is not None:
                         scores = members[lc].times(mm(c_t, mx.swapaxes(a, -1, -2)), w)
