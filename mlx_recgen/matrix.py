@@ -13,7 +13,9 @@ state axis), every added term factors into a lane-free state-axis vector ``a`` a
 axis that are linear in them, with lane-free coefficients ``c``. A readout of the state *after*
 the update (``Σ q[n] S_t[n]``, the usual way a spec is written) is rewritten as one of the state
 before it, ``c = q ⊙ d``, plus a state-free sum ``Σ_n q[n] a_r[n] · b_r``: every readout is then
-of ``S_{t-1}``, strictly causal. The analysis is symbolic and serves every backend: it yields
+of ``S_{t-1}``, strictly causal. For a scalar ``d`` the coefficient stays ``q`` and the readout
+is marked ``decayed`` (``d_t`` multiplies the whole readout of step ``t``), so ``q`` keeps the
+axes of the inputs it reads (per group of heads, Mamba-2's ``C``). The analysis is symbolic and serves every backend: it yields
 the expressions of ``log d``, ``a``, ``b`` and ``c`` per step and the outputs as functions of
 the readouts (``MatrixForm``), which ``backends/mlx_matrix.py`` evaluates and multiplies.
 
@@ -56,12 +58,18 @@ class MatrixState:
 
 @dataclass(frozen=True)
 class Readout:
-    """A sum over the state axis that reads the states: ``target = Σ_n Σ_s coefficients[s][n]
-    S_s[n] + Σ_n rest[n]`` with the states *before* the step."""
+    """A sum over the state axis that reads the states: ``target = Σ_n Σ_s d_s^[s ∈ decayed]
+    coefficients[s][n] S_s[n] + Σ_n rest[n]`` with the states *before* the step.
+
+    ``decayed``: the states of scalar decay ``d_s`` whose decay was a factor of the coefficient
+    (a readout of the state after the update) and was taken out of it: the backend applies it
+    to the whole readout of step ``t``, so the coefficient stays the un-decayed vector ``q``
+    (shared by a group of heads where ``q`` is, Mamba-2's ``C``)."""
 
     target: sympy.Symbol
     coefficients: dict  # state symbol -> lane-free expression over the state axis
     rest: sympy.Expr  # state-free
+    decayed: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,11 @@ def _log_abs(d: sympy.Expr) -> sympy.Expr:
 
 def _factor_terms(offset: sympy.Expr, vector: set, lane: set, label: str):
     """``offset`` as ``Σ_r a_r b_r`` with ``a_r`` free of the lane and ``b_r`` free of the state
-    axis; terms that share ``b`` are merged. Returns (pairs, reason)."""
+    axis; terms that share ``b`` are merged. Factors free of both axes (per-step scalars of an
+    instance, Mamba-2's ``dt``) go to ``b``, which varies per instance anyway: ``a`` then reads
+    only what it must, so it can be shared by the members of a group of heads (``B``). Numbers
+    stay on ``a``, so terms that differ by a constant share ``b`` and merge.
+    Returns (pairs, reason)."""
     by_value: dict = {}
     for term in sympy.Add.make_args(sympy.expand(offset, deep=False, power_exp=False,
                                                   power_base=False, log=False)):
@@ -113,10 +125,21 @@ def _factor_terms(offset: sympy.Expr, vector: set, lane: set, label: str):
             if on_state and on_lane:
                 return None, (f"the update of '{label}' adds {term}, whose factor {f} varies over "
                               "both the state axis and the lane axis (not an outer product)")
-            (value if on_lane else key).append(f)
+            (key if on_state or f.is_number else value).append(f)
         b = sympy.Mul(*value)
         by_value[b] = by_value.get(b, sympy.S.Zero) + sympy.Mul(*key)
     return tuple((a, b) for b, a in by_value.items() if a != 0), ""
+
+
+def _without(c: sympy.Expr, d: sympy.Expr):
+    """``q`` with ``c = q * d`` where the factors of ``d`` are among those of ``c`` (nothing is
+    divided: the factors are taken out as they stand), else None."""
+    factors = list(sympy.Mul.make_args(c))
+    for f in sympy.Mul.make_args(d):
+        if f not in factors:
+            return None
+        factors.remove(f)
+    return sympy.Mul(*factors)
 
 
 def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
@@ -160,6 +183,7 @@ def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
         states.append(MatrixState(slot, sym, d, _log_abs(d), bool(d.is_positive),
                                   bool(d.free_symbols & vector), terms, has_lane))
 
+    by_symbol = {st.symbol: st for st in states}
     readouts = []
     dependent: set = set()
     for r in ir.reductions:  # by level: a reduction reads only lower levels
@@ -179,8 +203,14 @@ def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
                 return MatrixForm(False, f"the sum {r.target} = Σ({r.body}) reads the state "
                                          f"with a coefficient {c} that varies along the lanes")
             coefficients[s] = c
+        decayed = set()
+        for s, c in coefficients.items():
+            q = _without(c, by_symbol[s].decay) if not by_symbol[s].vector_decay else None
+            if q is not None:
+                coefficients[s] = q
+                decayed.add(s)
         rest = r.body.subs({s: 0 for s in reads})
-        readouts.append(Readout(r.target, coefficients, rest))
+        readouts.append(Readout(r.target, coefficients, rest, frozenset(decayed)))
         dependent.add(r.target)
     for slot, e in ir.outputs.items():
         if e.free_symbols & set(state_syms):

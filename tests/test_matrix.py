@@ -279,3 +279,65 @@ def test_non_finite_values_give_nan_never_a_finite_wrong_number():
         finite = mx.isfinite(got)
         assert mx.all(mx.where(finite, mx.abs(got - want) <= 1e-5 * (1 + mx.abs(want)),
                                mx.isnan(got))).item()
+
+
+def test_instance_scalars_go_to_the_value_side_and_a_scalar_decay_leaves_the_readout():
+    """Mamba-2: ``dt`` (free of the state and the lane axis) goes to ``b``, so ``a = B`` and
+    ``c = C`` stay per group; the scalar decay read after the update leaves ``c`` (applied to
+    the readout's row); a vector decay stays in ``c`` (HGRN2); numbers stay on ``a``."""
+    import sympy
+    form = rg.load_spec("mamba2").matrix
+    sym = {s.name: s for s in rg.load_spec("mamba2").spec.symbols.values()}
+    (a, b), = form.states[0].terms
+    assert a == sym["B"] and b == sym["dt"] * sym["x"]
+    ro, = form.readouts
+    assert ro.coefficients == {sym["h"]: sym["C"]} and ro.decayed == {sym["h"]}
+    hgrn2 = rg.load_spec("hgrn2").matrix
+    f = {s.name: s for s in rg.load_spec("hgrn2").spec.symbols.values()}
+    assert hgrn2.states[0].terms == ((1 - f["f"], f["i"]),)
+    assert not hgrn2.readouts[0].decayed
+    assert sympy.diff(hgrn2.readouts[0].coefficients[f["S"]], f["f"]) != 0
+
+
+@rg.recurrence(lane="P", state={"h": "B H P N"},
+               inputs={"x": "B L H P", "g": "B L H", "B": "B L G N", "C": "B L G N",
+                       "E": "B L H N"},
+               outputs={"y": "B L H P", "z": "B L H P"}, groups={"G": "H"})
+def grouped_scalar(h, x, g, B, C, E, n):
+    """A scalar decay of either sign with B and C per group of heads: the readout ``y`` reads
+    the state after the update with a per-group coefficient, ``z`` with a per-head one."""
+    h[n] = g * h[n] + g * B[n] * x
+    return {"y": rg.Sum(C[n] * h[n], n), "z": rg.Sum(C[n] * E[n] * h[n], n)}
+
+
+@pytest.mark.parametrize("decay", [(0.3, 1.0), (-1.0, 1.0)], ids=["positive", "both-signs"])
+def test_factors_per_group_of_heads(decay):
+    """``a = B`` and ``c = C`` evaluated per group (G = 2 groups of 3 heads, member ``h`` of
+    group ``h // 3``), ``c @ aᵀ`` per group and spread over the members; a per-head coefficient
+    (``C E``) beside them; the sign of the decay carried."""
+    form = grouped_scalar.matrix
+    sym = {s.name: s for s in grouped_scalar.spec.symbols.values()}
+    assert form.states[0].terms == ((sym["B"], sym["g"] * sym["x"]),)
+    b, L, H, G, P, N = 2, 13, 6, 2, 3, 5
+    x, g = mx.random.normal((b, L, H, P)), mx.random.uniform(*decay, (b, L, H))
+    B, C = mx.random.normal((b, L, G, N)), mx.random.normal((b, L, G, N))
+    E = mx.random.normal((b, L, H, N))
+    h0 = mx.random.normal((b, H, P, N))
+
+    def run(i, s):
+        (y, z), h = grouped_scalar(*i, initial_state=s[0], return_state=True, backend="mlx",
+                                   schedule="matrix", seg=4)
+        return [y, z], [h]
+
+    def ref(i, s):
+        x, g, B, C, E = i
+        Bh, Ch = mx.repeat(B, H // G, axis=2), mx.repeat(C, H // G, axis=2)
+        h, ys, zs = s[0], [], []
+        for t in range(L):
+            gt = g[:, t][..., None, None]
+            h = gt * h + gt * Bh[:, t][:, :, None, :] * x[:, t][..., None]
+            ys.append(mx.sum(Ch[:, t][:, :, None, :] * h, axis=-1))
+            zs.append(mx.sum((Ch[:, t] * E[:, t])[:, :, None, :] * h, axis=-1))
+        return [mx.stack(ys, axis=1), mx.stack(zs, axis=1)], [h]
+
+    _assert_matches(run, ref, [x, g, B, C, E], [h0])

@@ -12,6 +12,10 @@ b_r``, outputs from readouts ``Σ_n c_t[n] S_{t-1}[n, :]``), the sequence is cut
   cut into sub-chunks of ``SUB`` steps; between sub-chunks the product factors through the
   boundary's cumulative decay (every factor ``≤ 1`` for decays, so nothing overflows), within a
   sub-chunk the ``[SUB, SUB, K]`` weights are taken element by element;
+* a scalar ``d`` leaves the products: ``exp(Λ')`` scales the rows of ``c @ S_start``, ``M`` is
+  ``[C, C]`` and multiplies ``c @ a_rᵀ`` element by element, and where ``c`` and ``a_r`` read
+  only inputs given per group of heads (``groups=``, Mamba-2's ``B`` and ``C``) ``c @ a_rᵀ``
+  is taken once per group and broadcast over the group's members (nothing is repeated);
 * the chunk's end state: ``exp(Λ_C) ⊙ S_start + Σ_r (a_r ⊙ exp(Λ_C - Λ))ᵀ @ b_r``, passed from
   chunk to chunk in order (one multiply-add of ``[K, V]`` per chunk).
 
@@ -141,6 +145,47 @@ def _carry(S0, whole, sign, U):
     return starts, final
 
 
+class _Members:
+    """Arrays of a group axis against arrays of the batch-like axis it groups (position ``p``
+    among the batch axes, ``n`` members a group): the member-level array is split into
+    ``(groups, n)`` and the group-level one broadcast over ``n``, so nothing is repeated."""
+
+    def __init__(self, p: int, n: int):
+        self.p, self.n = p, n
+
+    def _split(self, y):
+        p = self.p
+        return y.reshape(*y.shape[:p], y.shape[p] // self.n, self.n, *y.shape[p + 1:])
+
+    def _merge(self, z):
+        p = self.p
+        return z.reshape(*z.shape[:p], z.shape[p] * z.shape[p + 1], *z.shape[p + 2:])
+
+    def times(self, g, y):
+        """``g * y`` per member: ``g`` per group, ``y`` per member."""
+        return self._merge(mx.expand_dims(g, self.p + 1) * self._split(y))
+
+    def matmul(self, g, y, mm):
+        """``g @ y`` per member."""
+        return self._merge(mm(mx.expand_dims(g, self.p + 1), self._split(y)))
+
+    def spread(self, g):
+        """``g`` per member."""
+        x = mx.expand_dims(g, self.p + 1)
+        return self._merge(mx.broadcast_to(x, (*x.shape[:self.p + 1], self.n,
+                                               *x.shape[self.p + 2:])))
+
+
+def _matmul(members: dict, g, x, y, mm):
+    """``x @ y``, ``x`` per group of axis ``g`` (None: per member) and ``y`` per member."""
+    return mm(x, y) if g is None else members[g].matmul(x, y, mm)
+
+
+def _spread(members: dict, g, x):
+    """``x`` per member, from per group of axis ``g`` (None: already per member)."""
+    return x if g is None else members[g].spread(x)
+
+
 class MatrixForm(SequentialForm):
     """Outputs and final states of a matrix-form recurrence by chunkwise matrix products."""
 
@@ -151,10 +196,17 @@ class MatrixForm(SequentialForm):
         self.form = form
         ir = rec.ir
         exprs, self.layout = [], []  # layout: (what, state index, readout index, term index)
+        by_group: dict = {}  # group axis -> (expressions, layout) of the factors of a group
+        self.level = {}  # (what, s, i, r) -> the group axis its factor is evaluated at, or None
 
         def add(expr, what, s=None, i=None, r=None):
-            self.layout.append((what, s, i, r))
-            exprs.append(sympy.sympify(expr))
+            expr = sympy.sympify(expr)
+            g = self._group_of(expr) if what in ("a", "c") and not \
+                form.states[s].vector_decay else None
+            self.level[(what, s, i, r)] = g
+            into, layout = (exprs, self.layout) if g is None else by_group.setdefault(g, ([], []))
+            layout.append((what, s, i, r))
+            into.append(expr)
 
         for s, st in enumerate(form.states):
             add(st.log_decay, "log_decay", s)
@@ -183,6 +235,8 @@ class MatrixForm(SequentialForm):
                 rest += sympy.Mul(*lane_part) * target
             add(rest, "rest", None, i)
         self.factors = render_mlx(_program(ir, exprs, sums), "matrix_factors")
+        self.group_factors = {g: (render_mlx(_program(ir, e), f"matrix_factors_{g}"), layout)
+                              for g, (e, layout) in by_group.items()}
         readout_of = {ro.target: ro for ro in form.readouts}
         self.post = render_mlx(_program(ir, list(ir.outputs.values()), given=frozenset(readout_of),
                                         slots=list(ir.outputs)), "matrix_outputs")
@@ -190,29 +244,57 @@ class MatrixForm(SequentialForm):
         self._compiled_calls = LRU(COMPILED_SIZES)  # bounded: a trace per shape is kept
 
     # -- the factors of every step ---------------------------------------------------------------
-    def _batch_major(self, inputs, sizes) -> dict:
+    def _group_of(self, expr):
+        """The group axis ``g`` at which ``expr`` can be evaluated without expanding its inputs
+        to the axis ``g`` groups: it reads an input that carries ``g`` and none that carries
+        the grouped axis or another group axis; else None."""
+        spec = self.rec.spec
+        tensors = {spec.tensors[self.table.key[sym][1][0]] for sym in expr.free_symbols
+                   if sym in self.table.key}
+        carried = {a for t in tensors for a in t.batch_axes}
+        found = carried & set(spec.groups)
+        if len(found) != 1:
+            return None
+        g, = found
+        return None if spec.groups[g] in carried else g
+
+    def _batch_major(self, inputs, sizes):
         """Inputs by (tensor, component) in the canonical layout with the time axis after the
         batch axes, ``(*batch, T, V or 1, K or 1)`` (parameters with a time axis of 1), fp32,
-        group axes expanded: the layout of the chunked products, so no transposition follows."""
+        group axes expanded: the layout of the chunked products, so no transposition follows.
+        Also those that carry a group axis as given (the group axis in place of the grouped
+        one), for the factors evaluated per group."""
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
-        out = {}
+        out, grouped = {}, {}
         for t, x in zip(spec.inputs.values(), inputs):
-            x = expand_groups(spec, t, x.astype(mx.float32), sizes)
+            x = x.astype(mx.float32)
+            for c, part in enumerate(to_canonical(spec, expanded(spec, t), x)):
+                grouped[(t.name, c)] = part if t.has_time else mx.expand_dims(part, nb)
+            x = expand_groups(spec, t, x, sizes)
             for c, part in enumerate(to_canonical(spec, expanded(spec, t), x)):
                 out[(t.name, c)] = part if t.has_time else mx.expand_dims(part, nb)
-        return out
+        return out, grouped
 
-    def _factors(self, values: dict, sizes: dict, ones):
-        """``(*batch, T, X)`` arrays of every factor, by (what, state, readout, term);
+    def _factors(self, values: dict, grouped: dict, sizes: dict, ones):
+        """``(*batch, T, X)`` arrays of every factor, by (what, state, readout, term) (those
+        evaluated per group with the group axis's size in place of the grouped one's);
         readouts' rests as ``(*batch, T, V, 1)``."""
         spec = self.rec.spec
-        args = [ones] if self.factors.needs_state_ones else []
-        args += [values[self.table.key[sym][1]] for sym in self.factors.args]
-        results = self.factors.fn(*args)
+        out = self._evaluate(self.factors, self.layout, values, sizes, ones)
+        for g, (program, layout) in self.group_factors.items():
+            out.update(self._evaluate(program, layout, grouped, {**sizes, spec.groups[g]: sizes[g]},
+                                      ones))
+        return out
+
+    def _evaluate(self, program, layout, values: dict, sizes: dict, ones):
+        spec = self.rec.spec
+        args = [ones] if program.needs_state_ones else []
+        args += [values[self.table.key[sym][1]] for sym in program.args]
+        results = program.fn(*args)
         T, batch = sizes[spec.time], [sizes[a] for a in spec.batch_axes]
         V, K = sizes[spec.lane], sizes[spec.state_axis]
         out = {}
-        for (what, s, i, r), x in zip(self.layout, results):
+        for (what, s, i, r), x in zip(layout, results):
             x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
             st = self.form.states[s] if s is not None else None
             if what in ("a", "c") or (what in ("log_decay", "decay") and st.vector_decay):
@@ -235,14 +317,16 @@ class MatrixForm(SequentialForm):
         spec = self.rec.spec
         nb = len(spec.batch_axes)
         T = sizes[spec.time]
-        values = self._batch_major(inputs, sizes)
+        values, grouped = self._batch_major(inputs, sizes)
 
         def mm(x, y):
             if operands == mx.float32:
                 return x @ y
             return (x.astype(operands) @ y.astype(operands)).astype(mx.float32)
 
-        f = self._factors(values, sizes, self._ones(sizes))
+        f = self._factors(values, grouped, sizes, self._ones(sizes))
+        members = {g: _Members(spec.batch_axes.index(spec.groups[g]),
+                               sizes[spec.groups[g]] // sizes[g]) for g in self.group_factors}
         chunks = MatrixChunks(T, seg, nb)
         readouts = {}
         finals = []
@@ -254,30 +338,53 @@ class MatrixForm(SequentialForm):
             from_start = mx.cumsum(log_d, axis=-2, inclusive=False)  # Σ_{s<t}
             to_end = mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False)  # Σ_{s>j}
             whole = mx.sum(log_d, axis=-2, keepdims=True)
-            terms = [(chunks.cut(f[("a", s, None, r)]), chunks.cut(f[("b", s, None, r)]))
-                     for r in range(len(st.terms))]
+            terms = [(chunks.cut(f[("a", s, None, r)]), self.level[("a", s, None, r)],
+                      chunks.cut(f[("b", s, None, r)])) for r in range(len(st.terms))]
             # a sign not known symbolically: the sign of d(j+1..t) is sign(d(..t)) sign(d(..j)),
             # so it folds into the factors of t and of j
-            sign_ex = sign_end = None
+            sign = sign_ex = sign_end = sg = None
+            to_end = mx.exp(to_end)
             if not st.positive:
                 sg = chunks.cut(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0), 1.0)
                 sign = _parity(sg, axis=-2)
                 sign_ex, sign_end = sign * sg, sign[..., -1:, :]
-                terms = [(a * sign, b) for a, b in terms]
+                to_end = to_end * sign * sign_end
             # the chunk's end state from its own inputs, and its decay over the whole chunk
-            to_end = mx.exp(to_end) if sign_end is None else mx.exp(to_end) * sign_end
-            U = sum(mm(mx.swapaxes(a * to_end, -1, -2), b) for a, b in terms) if terms else \
+            # (a scalar decay scales b, the side that is per member anyway, and a stays per group)
+            U = sum(_matmul(members, la, mx.swapaxes(a, -1, -2), to_end * b, mm)
+                    if not st.vector_decay else mm(mx.swapaxes(a * to_end, -1, -2), b)
+                    for a, la, b in terms) if terms else \
                 mx.zeros((*S0.shape[:nb], chunks.nc, *S0.shape[nb:]))
             S_start, S = _carry(S0, whole[..., 0, :], sign_end, U)
             finals.append(S)
             for i, ro in enumerate(self.form.readouts):
                 if st.symbol not in ro.coefficients:
                     continue
-                c_t = chunks.cut(f[("c", s, i, None)])
-                c_t = c_t if sign_ex is None else c_t * sign_ex
-                y = mm(c_t * mx.exp(from_start), S_start)
-                for a, b in terms:
-                    y = y + mm(self._scores(c_t, a, log_d, st.vector_decay, mm), b)
+                c_t, lc = chunks.cut(f[("c", s, i, None)]), self.level[("c", s, i, None)]
+                if st.vector_decay:
+                    c_t = c_t if sign_ex is None else c_t * sign_ex
+                    y = mm(c_t * mx.exp(from_start), S_start)
+                    for a, _, b in terms:
+                        a = a if sign is None else a * sign
+                        y = y + mm(self._scores(c_t, a, log_d, True, mm), b)
+                    readouts[i] = readouts.get(i, 0.0) + y
+                    continue
+                # a scalar decay: its weights are per step (rows t, columns j), out of the
+                # products, so ``c @ aᵀ`` runs per group where c and a are per group
+                row, w = mx.exp(from_start), _between(log_d)[..., 0]
+                if sign is not None:
+                    row, w = row * sign_ex, w * sign_ex * mx.swapaxes(sign, -1, -2)
+                if st.symbol in ro.decayed:  # a scalar decay taken out of c: d_t on row t
+                    d_t = mx.exp(log_d) if sg is None else mx.exp(log_d) * sg
+                    row, w = row * d_t, w * d_t
+                y = row * _matmul(members, lc, c_t, S_start, mm)
+                for a, la, b in terms:
+                    if la == lc and lc is not None:
+                        scores = members[lc].times(mm(c_t, mx.swapaxes(a, -1, -2)), w)
+                    else:
+                        scores = mm(_spread(members, lc, c_t),
+                                    mx.swapaxes(_spread(members, la, a), -1, -2)) * w
+                    y = y + mm(scores, b)
                 readouts[i] = readouts.get(i, 0.0) + y
         env = {}
         for i, ro in enumerate(self.form.readouts):
