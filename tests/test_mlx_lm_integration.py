@@ -11,6 +11,7 @@ dtype and shape; every routed call is counted in ``Recurrence.__call__``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 
@@ -701,3 +702,27 @@ def test_lora_command_trains_through_the_recurrences(tmp_path, monkeypatch, recu
     assert len(want) == len(losses) == 2 and recurrence_calls
     assert np.allclose(losses, want, rtol=1e-5), (losses, want)
     assert integration._active is None
+
+
+def test_routed_helpers_bind_arguments_as_python_does():
+    """The routing's binder gives what ``Signature.bind`` + ``apply_defaults`` gives, and raises
+    ``TypeError`` where it does (the original then raises its own error)."""
+    from mlx_recgen.integrations.mlx_lm import _binder
+
+    def helper(q, k, v=None, state=None, *, use_kernel=True, lower_bound=None):
+        pass
+
+    signature = inspect.signature(helper)
+    bind = _binder(signature)
+    for args, kwargs in [((1, 2), {}), ((1, 2, 3), {"lower_bound": 4}), ((1,), {"k": 2}),
+                         ((), {"q": 1, "k": 2, "use_kernel": False, "state": 5}),
+                         ((1, 2, 3, 4), {}), ((1, 2, 3, 4, 5), {}), ((1, 2), {"q": 1}),
+                         ((1,), {}), ((1, 2), {"other": 1})]:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            with pytest.raises(TypeError):
+                bind(args, kwargs)
+            continue
+        bound.apply_defaults()
+        assert list(bind(args, kwargs).items()) == list(bound.arguments.items())

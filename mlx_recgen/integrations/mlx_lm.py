@@ -433,20 +433,19 @@ class Patch:
                 f"fell back {sum(self.fallbacks.values())}>")
 
     def _route(self, name, original, implementation):
-        signature = inspect.signature(original)
+        bind = _binder(inspect.signature(original))
 
         @functools.wraps(original)
         def routed(*args, **kwargs):
             if not self.active:  # a reference kept past undo(): mlx-lm's own again
                 return original(*args, **kwargs)
             try:
-                bound = signature.bind(*args, **kwargs)
+                arguments = bind(args, kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # raises as the original does
-            bound.apply_defaults()
             try:
-                _require_recurrence_dtypes(bound.arguments)
-                result = implementation(self.options, **bound.arguments)
+                _require_recurrence_dtypes(arguments)
+                result = implementation(self.options, **arguments)
             except _Unsupported as exc:
                 self.fallbacks[(name, str(exc))] += 1
                 return original(*args, **kwargs)
@@ -496,6 +495,39 @@ class Patch:
     def __exit__(self, *exc):
         self.undo()
         return False
+
+
+def _binder(signature: inspect.Signature):
+    """``bind(args, kwargs)``: the arguments of a call by parameter name, defaults filled in,
+    as ``signature.bind(...).apply_defaults()`` gives them (``TypeError`` where it raises), for a
+    signature without ``*args`` or ``**kwargs``; a decode step calls each helper once per layer
+    and token, and ``Signature.bind`` costs several times the rest of the routing."""
+    parameters = signature.parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        raise ValueError(f"no fast binding of {signature}")
+    positional = tuple(p.name for p in parameters
+                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    by_keyword = frozenset(p.name for p in parameters if p.kind != p.POSITIONAL_ONLY)
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    names = tuple(p.name for p in parameters)
+
+    def bind(args, kwargs):
+        if len(args) > len(positional):
+            raise TypeError("too many positional arguments")
+        arguments = dict(zip(positional, args))
+        for key, value in kwargs.items():
+            if key not in by_keyword or key in arguments:
+                raise TypeError(f"unexpected or repeated argument {key!r}")
+            arguments[key] = value
+        if len(arguments) < len(names):
+            for key in names:
+                if key not in arguments:
+                    if key not in defaults:
+                        raise TypeError(f"missing argument {key!r}")
+                    arguments[key] = defaults[key]
+        return {key: arguments[key] for key in names}
+
+    return bind
 
 
 def _rebind(replacements: dict):
