@@ -147,6 +147,23 @@ def test_small_states_decode_compiled(H, K, compiled):
     assert rel_err(mapped[1], gated_deltanet_ref(q, k, -v, g, beta, S)[0]) < 1e-5
 
 
+def test_layout_changes_leave_out_the_ops_that_move_nothing():
+    """A transpose that keeps the order of the axes of size > 1 is left out of the decode
+    step's graph (it moves no element), and so is a reshape to the shape at hand; the result
+    is ``reshape(transpose(x, perm), shape)`` whatever the sizes."""
+    from mlx_recgen.backends.mlx_ops import _arranged
+
+    for shape, perm in [((1, 1, 4, 8), (1, 0, 2, 3)), ((2, 1, 4, 8), (1, 0, 2, 3)),
+                        ((1, 3, 4, 8), (1, 0, 3, 2)), ((2, 3, 1), (2, 0, 1))]:
+        x = mx.random.normal(shape)
+        want = mx.transpose(x, perm)
+        for target in (want.shape, (-1,), (*want.shape, 1)):
+            target = [want.size] if target == (-1,) else list(target)
+            assert mx.array_equal(_arranged(x, list(perm), target), mx.reshape(want, target))
+    x = mx.random.normal((1, 1, 4, 8))
+    assert _arranged(x, [1, 0, 2, 3], [1, 1, 4, 8]) is x  # no op at all
+
+
 def test_longer_calls_take_the_full_path():
     rec = rg.load_spec("rglru")
     short = rec.plan(mx.ones((1, DECODE_MAX_STEPS, 4)), mx.ones((1, DECODE_MAX_STEPS, 4)),

@@ -460,8 +460,8 @@ class _Layout:
     def parts(self, spec, x, sizes) -> list:
         if self.groups:
             x = expand_groups(spec, self.t, x, sizes)
-        x = mx.reshape(mx.transpose(x, self.perm), self.shape + ([self.components]
-                                                                  if self.components > 1 else []))
+        x = _arranged(x, self.perm, self.shape + ([self.components] if self.components > 1
+                                                  else []))
         if self.components == 1:
             return [x]
         # a slice, not x[..., c] (a gather, whose vjp has no jvp)
@@ -469,7 +469,18 @@ class _Layout:
 
     def declared(self, parts: list) -> mx.array:
         x = mx.stack(parts, axis=-1) if self.components > 1 else parts[0]
-        return mx.transpose(mx.reshape(x, self.present_shape), self.back)
+        x = _arranged(x, list(range(x.ndim)), self.present_shape)
+        return _arranged(x, self.back, [self.present_shape[i] for i in self.back])
+
+
+def _arranged(x, perm, shape) -> mx.array:
+    """``reshape(transpose(x, perm), shape)`` in as few ops as the sizes allow: a transpose
+    that keeps the order of the axes of size > 1 (a decode step's time and batch axes are often
+    of size 1) moves no element and is left out, and so is a reshape to the shape ``x`` has."""
+    moved = [i for i in perm if x.shape[i] > 1]
+    if moved != sorted(moved):
+        x = mx.transpose(x, perm)
+    return x if x.shape == tuple(shape) else mx.reshape(x, shape)
 
 
 COMPILE_MAX_STATE = 4096  # state elements per call up to which the decode path is compiled
