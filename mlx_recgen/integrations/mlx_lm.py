@@ -233,13 +233,18 @@ def _require(condition, reason: str):
         raise _Unsupported(reason)
 
 
+# MLX's floating dtypes a recurrence does not take (float64), found once: a decode step checks
+# each argument of each routed call against them
+_OTHER_FLOATS = tuple(d for d in vars(mx).values() if isinstance(d, mx.Dtype)
+                      and mx.issubdtype(d, mx.floating) and d not in FLOAT_DTYPES)
+
+
 def _require_recurrence_dtypes(arguments: dict):
     """A recurrence takes float32, float16 and bfloat16 arrays; mlx-lm's MLX ops take float64
     too (on the CPU): such calls are the original's."""
     other = {}
     for name, x in arguments.items():
-        if (isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating)
-                and x.dtype not in FLOAT_DTYPES):
+        if isinstance(x, mx.array) and x.dtype in _OTHER_FLOATS:
             other.setdefault(str(x.dtype).replace("mlx.core.", ""), []).append(name)
     _require(not other, "; ".join(f"{dtype} {', '.join(names)}" for dtype, names in other.items())
              + " (a recurrence takes float32, float16 or bfloat16)")
