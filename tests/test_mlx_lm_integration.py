@@ -726,3 +726,25 @@ def test_routed_helpers_bind_arguments_as_python_does():
             continue
         bound.apply_defaults()
         assert list(bind(args, kwargs).items()) == list(bound.arguments.items())
+
+
+def test_gated_delta_checks_are_remembered_by_layout_only():
+    """Arguments of the shapes, dtypes and options of a call that passed the checks skip them;
+    a mask of another dtype, a state of another shape, still falls back with its reason."""
+    from mlx_lm.models import gated_delta as gd
+
+    mx.random.seed(3)
+    q, k = mx.random.normal((1, 1, 2, 8)), mx.random.normal((1, 1, 2, 8))
+    v = mx.random.normal((1, 1, 4, 8))
+    a, b = mx.random.normal((1, 1, 4)), mx.random.normal((1, 1, 4))
+    A_log, dt_bias = mx.random.normal((4,)), mx.random.normal((4,))
+    S = mx.random.normal((1, 4, 8, 8))
+    mask = mx.array([[True]])
+    with patch(backend="mlx") as routing:
+        for _ in range(2):
+            y, S1 = gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask)
+        gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask.astype(mx.int32))
+    y_ref, S_ref = gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask)
+    assert mx.allclose(y, y_ref, atol=1e-5) and mx.allclose(S1, S_ref, atol=1e-5)
+    assert routing.routed["gated_delta_update"] == 2
+    assert set(routing.fallbacks) == {("gated_delta_update", "mask is not [B, T] bool")}

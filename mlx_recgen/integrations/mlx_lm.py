@@ -84,7 +84,8 @@ import mlx.nn as nn
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, exp, where
-from mlx_recgen.function import BACKENDS, FLOAT_DTYPES
+from mlx_recgen.function import BACKENDS, FLOAT_DTYPES, PLAN_CACHE_SIZE
+from mlx_recgen.memo import LRU
 from mlx_recgen.schedule import SCHEDULES
 
 MIN_MLX_LM = (0, 32, 2)  # from this release on, ssm_attn masks the decay of padded steps
@@ -357,13 +358,22 @@ def _ssd_blockwise(options, x, dt, A, B, C, state, mask):
 
 def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel,
                         lower_bound, allow_neg_eigval):
-    _require(all(_is_array(t, ndim=4) for t in (q, k, v)) and q.shape == k.shape
-             and v.shape[:2] == k.shape[:2], "q, k, v are not [B, T, ., .] floats")
+    # arguments like ones that passed the checks below (the same shapes, dtypes and options)
+    # pass them again: a decode step calls this once per layer and token
+    try:
+        key = (*(_layout(t) for t in (q, k, v, a, b, A_log, dt_bias, state, mask)),
+               lower_bound, bool(allow_neg_eigval))
+        checked = key in _GATED_DELTA_CHECKED
+    except TypeError:  # an unhashable argument: the checks below see to it
+        key, checked = None, False
+    if not checked:
+        _require(all(_is_array(t, ndim=4) for t in (q, k, v)) and q.shape == k.shape
+                 and v.shape[:2] == k.shape[:2], "q, k, v are not [B, T, ., .] floats")
+        _require(v.shape[2] % k.shape[2] == 0, "value heads are not a multiple of the key heads")
+        _require(all(_is_array(t) for t in (a, b, A_log, dt_bias)),
+                 "a, b, A_log, dt_bias are not float arrays")
     batch, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    _require(Hv % Hk == 0, "value heads are not a multiple of the key heads")
-    _require(all(_is_array(t) for t in (a, b, A_log, dt_bias)),
-             "a, b, A_log, dt_bias are not float arrays")
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
         beta = beta * 2.0
@@ -371,12 +381,16 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
         g = _decay(A_log, a, dt_bias)
     else:
         g = _bounded_decay(A_log, a, dt_bias, lower_bound)
-    _require(beta.shape == (batch, T, Hv), "b is not [B, T, Hv]")
-    _require(g.shape in ((batch, T, Hv), (batch, T, Hv, Dk)), "the gate is not [B, T, Hv(, Dk)]")
-    _require(state is None or (_is_array(state) and state.shape == (batch, Hv, Dv, Dk)),
-             "state is not [B, Hv, Dv, Dk]")
-    _require(mask is None or (_is_array(mask, mx.bool_) and mask.shape == (batch, T)),
-             "mask is not [B, T] bool")
+    if not checked:
+        _require(beta.shape == (batch, T, Hv), "b is not [B, T, Hv]")
+        _require(g.shape in ((batch, T, Hv), (batch, T, Hv, Dk)),
+                 "the gate is not [B, T, Hv(, Dk)]")
+        _require(state is None or (_is_array(state) and state.shape == (batch, Hv, Dv, Dk)),
+                 "state is not [B, Hv, Dv, Dk]")
+        _require(mask is None or (_is_array(mask, mx.bool_) and mask.shape == (batch, T)),
+                 "mask is not [B, T] bool")
+        if key is not None:
+            _GATED_DELTA_CHECKED[key] = True
     kernel = bool(use_kernel) and _on_metal() and Dk % 32 == 0
     rec = gated_delta(vector_gate=g.ndim == 4, masked=mask is not None)
     masks = () if mask is None else (mask,)
@@ -386,6 +400,15 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
     # the kernel keeps the state's dtype; the MLX ops promote it with the fp32 decay
     state_dtype = state.dtype if kernel and state is not None else mx.float32
     return y.astype(q.dtype), S.astype(state_dtype)
+
+
+_GATED_DELTA_CHECKED = LRU(PLAN_CACHE_SIZE)  # argument layouts that passed the checks
+
+
+def _layout(x):
+    """What the routed helpers' checks read of an argument: an array's shape and dtype, else
+    its type."""
+    return (x.shape, x.dtype) if isinstance(x, mx.array) else type(x)
 
 
 def _rnn_scan(options, x, a, h0):
