@@ -730,7 +730,7 @@ def test_routed_helpers_bind_arguments_as_python_does():
 
 def test_gated_delta_checks_are_remembered_by_layout_only():
     """Arguments of the shapes, dtypes and options of a call that passed the checks skip them;
-    a mask of another dtype, a state of another shape, still falls back with its reason."""
+    a mask of another dtype still falls back with its reason."""
     from mlx_lm.models import gated_delta as gd
 
     mx.random.seed(3)
