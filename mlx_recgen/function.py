@@ -568,8 +568,9 @@ class CallPlan:
 
     ``function`` is the custom function of the full path (outputs, final states, checkpoints;
     its VJP the backend's backward). ``decode``, on the mlx backend for calls of at most
-    ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops in one
-    ``mx.compile``d function, initial states in and final states out, no checkpoints, which
+    ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops
+    (``mx.compile``d where the states are small), initial states in and final states out, no
+    checkpoints, which
     MLX's own transforms differentiate, vmap and compile. ``run`` takes the decode path where
     there is one."""
 
