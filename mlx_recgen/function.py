@@ -570,9 +570,8 @@ class CallPlan:
     its VJP the backend's backward). ``decode``, on the mlx backend for calls of at most
     ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops
     (``mx.compile``d where the states are small), initial states in and final states out, no
-    checkpoints, which
-    MLX's own transforms differentiate, vmap and compile. ``run`` takes the decode path where
-    there is one."""
+    checkpoints, which MLX's own transforms differentiate, vmap and compile. ``run`` takes the
+    decode path where there is one."""
 
     recurrence: "Recurrence"
     backend: object
