@@ -13,7 +13,8 @@
   (``mx.set_cache_limit(0)``: only what the compiler keeps), and the size of MLX's cache.
 * Kernel compiles (``--sim``): 20 distinct prompt lengths below 32 on the Metal simulator,
   and how many kernels compiled after the first.
-* mlx-lm decoding (``--mlx-lm``): a tiny random Qwen3-Next, tokens/s patched and unpatched.
+* mlx-lm decoding (``--mlx-lm``): tiny random Qwen3-Next and Mamba-2 models, tokens/s patched
+  and unpatched in alternating rounds, and the median of the rounds' ratios.
 
 Each time is the median over repeats; the alternatives alternate in one process.
 """
@@ -193,16 +194,20 @@ def sim_compiles():
     return len(lengths), counts[-1] - counts[0]
 
 
-def mlx_lm_decode(tokens):
-    """Tokens/s of mlx-lm's ``generate_step`` on a tiny random Qwen3-Next (the test suite's),
-    unpatched and patched, alternating."""
+MLX_LM_MODELS = {"qwen3_next": "Qwen3-Next", "mamba2": "Mamba-2"}
+
+
+def mlx_lm_decode(model_type, tokens, rounds=15):
+    """Tokens/s of mlx-lm's ``generate_step`` on a tiny random model of the test suite,
+    unpatched and patched in alternating rounds (after one of each to warm up): the median
+    rates and the median of the rounds' patched / unpatched time per token."""
     sys.path.insert(0, str(ROOT / "tests"))
     from mlx_lm.generate import generate_step
     from test_mlx_lm_integration import build
 
     from mlx_recgen.integrations.mlx_lm import patch
 
-    model = build("qwen3_next")
+    model = build(model_type)
     prompt = mx.array([3, 1, 4, 1, 5, 9, 2, 6])
 
     def rate():
@@ -211,11 +216,16 @@ def mlx_lm_decode(tokens):
         return n / (time.perf_counter() - t0)
 
     rates = {"unpatched": [], "patched": []}
-    for _ in range(5):
-        rates["unpatched"].append(rate())
+    for r in range(rounds + 1):
+        unpatched = rate()
         with patch(backend="mlx"):
-            rates["patched"].append(rate())
-    return {k: statistics.median(v) for k, v in rates.items()}
+            patched = rate()
+        if r:
+            rates["unpatched"].append(unpatched)
+            rates["patched"].append(patched)
+    ratios = [u / p for u, p in zip(rates["unpatched"], rates["patched"])]
+    return {**{k: statistics.median(v) for k, v in rates.items()},
+            "ratio": statistics.median(ratios)}
 
 
 def main():
@@ -223,7 +233,7 @@ def main():
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--backends", default="mlx")
     p.add_argument("--sim", action="store_true", help="count Metal-simulator kernel compiles")
-    p.add_argument("--mlx-lm", action="store_true", help="tokens/s of a tiny Qwen3-Next")
+    p.add_argument("--mlx-lm", action="store_true", help="tokens/s of tiny Qwen3-Next and Mamba-2 models")
     p.add_argument("--out", help="write a Markdown report here")
     p.add_argument("--growth", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -270,14 +280,15 @@ def main():
                   "length.", ""]
         print("\n".join(lines[-4:]), flush=True)
     if args.mlx_lm:
-        rates = mlx_lm_decode(64)
-        lines += ["## mlx-lm decoding, tiny random Qwen3-Next (8-token prompt, 64 tokens)", "",
-                  "| | tokens/s |", "|---|---:|",
-                  f"| unpatched | {rates['unpatched']:.0f} |",
-                  f"| patched (backend mlx) | {rates['patched']:.0f} |", "",
-                  f"Patched / unpatched time per token: "
-                  f"**{rates['unpatched'] / rates['patched']:.2f}x**.", ""]
-        print("\n".join(lines[-9:]), flush=True)
+        lines += ["## mlx-lm decoding, tiny random models (8-token prompt, 64 tokens)", "",
+                  "| model | unpatched (tokens/s) | patched, backend mlx (tokens/s) | "
+                  "patched / unpatched time per token |", "|---|---:|---:|---:|"]
+        for model_type, title in MLX_LM_MODELS.items():
+            rates = mlx_lm_decode(model_type, 64)
+            lines.append(f"| {title} | {rates['unpatched']:.0f} | {rates['patched']:.0f} | "
+                         f"**{rates['ratio']:.2f}x** |")
+            print(lines[-1], flush=True)
+        lines.append("")
     if args.out:
         Path(args.out).write_text("\n".join(lines))
 

@@ -94,6 +94,7 @@ class Recurrence:
         self._backends = {}
         self._functions = LRU(PLAN_CACHE_SIZE)  # custom functions, by what decides them
         self._plans = LRU(PLAN_CACHE_SIZE)  # CallPlans, by what decides them (see plan_for)
+        self._checked = LRU(PLAN_CACHE_SIZE)  # plans of calls that passed the check (_hit)
         self._variants = {}
         self.__doc__ = spec.doc or Recurrence.__doc__
 
@@ -436,8 +437,21 @@ class Recurrence:
             return call_distributed(self, group, args, kwargs, initial_state=initial_state,
                                     return_state=return_state, backend=backend, seg=seg,
                                     schedule=schedule)
+        key = None if kwargs else _call_key(args, initial_state, backend, seg, schedule)
+        if key is not None:
+            try:
+                hit = self._checked.get(key)
+            except TypeError:  # an unhashable option: the check below names it
+                hit = key = None
+            if hit is not None:
+                plan, zero_states = hit
+                states = ([initial_state] if initial_state is not None
+                          else [mx.zeros(shape, dtype=mx.float32) for shape in zero_states])
+                return plan.package(*plan.run(list(args), states), return_state)
         call = self.check(*args, initial_state=initial_state, **kwargs)
         plan = self.plan_for(call, backend=backend, seg=seg, schedule=schedule)
+        if key is not None:
+            self._checked[key] = (plan, tuple(tuple(x.shape) for x in call.states))
         return plan.package(*plan.run(call.inputs, call.states), return_state)
 
     def check(self, *args, initial_state=None, **kwargs) -> "CheckedCall":
@@ -514,6 +528,25 @@ class Recurrence:
         return out, (finals[0] if len(finals) == 1 else dict(zip(self.spec.states, finals)))
 
 
+def _call_key(args, initial_state, backend, seg, schedule):
+    """What decides a call's check and plan where its inputs are passed positionally and its
+    initial state (if any) as one array: the arrays' shapes and dtypes, the options and the
+    default device; ``None`` for any other call (it takes the full check). A call whose check
+    passed once passes again with the same key, so ``Recurrence.__call__`` keeps its plan under
+    it and skips the check."""
+    if initial_state is not None:
+        if type(initial_state) is not mx.array:
+            return None
+        args = (*args, initial_state)
+    shapes = []
+    for x in args:
+        if type(x) is not mx.array:
+            return None
+        shapes.append((x.shape, x.dtype))
+    return (tuple(shapes), initial_state is not None, backend, seg, schedule,
+            str(mx.default_device()))  # a Device hashes by identity, its text by value
+
+
 class CheckedCall(NamedTuple):
     """A call's checked arguments (``Recurrence.check``): inputs in declaration order, initial
     states in state order (zeros where not given), axis sizes, the outputs' dtype and the kernel
@@ -535,10 +568,10 @@ class CallPlan:
 
     ``function`` is the custom function of the full path (outputs, final states, checkpoints;
     its VJP the backend's backward). ``decode``, on the mlx backend for calls of at most
-    ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops in one
-    ``mx.compile``d function, initial states in and final states out, no checkpoints, which
-    MLX's own transforms differentiate, vmap and compile. ``run`` takes the decode path where
-    there is one."""
+    ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops
+    (``mx.compile``d where the states are small), initial states in and final states out, no
+    checkpoints, which MLX's own transforms differentiate, vmap and compile. ``run`` takes the
+    decode path where there is one."""
 
     recurrence: "Recurrence"
     backend: object

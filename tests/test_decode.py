@@ -18,6 +18,7 @@ from references import gated_deltanet_ref
 
 import mlx_recgen as rg
 from mlx_recgen import Recurrence
+from mlx_recgen.backends.mlx_ops import COMPILE_MAX_STATE
 from mlx_recgen.function import DECODE_MAX_STEPS
 from mlx_recgen.integrations.mlx_lm import gated_delta
 
@@ -117,6 +118,50 @@ def test_decode_step_matches_a_hand_written_gated_deltanet():
     y, S1 = rec(q, k, v, g, beta, initial_state=S, return_state=True, backend="mlx")
     y_ref, S_ref = gated_deltanet_ref(q, k, v, g, beta, S)
     assert rel_err(y, y_ref) < 1e-5 and rel_err(S1, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("H, K, compiled", [(2, 8, True), (16, 32, False)])
+def test_small_states_decode_compiled(H, K, compiled):
+    """Up to ``COMPILE_MAX_STATE`` state elements the decode path runs ``mx.compile``d, beyond
+    it as plain ops; both the hand-written loop's values, gradients and vmap alike."""
+    rec = rg.load_spec("gated_deltanet")
+    B, V = 1, K
+    q, k = mx.random.normal((B, 1, H, K)), mx.random.normal((B, 1, H, K)) * 0.3
+    v, g = mx.random.normal((B, 1, H, V)), -mx.random.uniform(shape=(B, 1, H))
+    beta, S = mx.random.uniform(shape=(B, 1, H)), mx.random.normal((B, H, K, V))
+    decode = rec.plan(q, k, v, g, beta, initial_state=S, backend="mlx").decode
+    assert decode.compiled is compiled and (H * K * V <= COMPILE_MAX_STATE) is compiled
+    y, S1 = rec(q, k, v, g, beta, initial_state=S, return_state=True, backend="mlx")
+    y_ref, S_ref = gated_deltanet_ref(q, k, v, g, beta, S)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(S1, S_ref) < 1e-5
+
+    def loss(fn):
+        return lambda v, S: (fn(q, k, v, g, beta, S)[0] ** 2).sum()
+
+    got = mx.grad(loss(lambda *a: rec(*a[:-1], initial_state=a[-1], return_state=True,
+                                      backend="mlx")), argnums=(0, 1))(v, S)
+    want = mx.grad(loss(gated_deltanet_ref), argnums=(0, 1))(v, S)
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(got, want))
+    mapped = mx.vmap(lambda v: rec(q, k, v, g, beta, initial_state=S, backend="mlx"))(
+        mx.stack([v, -v]))
+    assert rel_err(mapped[1], gated_deltanet_ref(q, k, -v, g, beta, S)[0]) < 1e-5
+
+
+def test_layout_changes_leave_out_the_ops_that_move_nothing():
+    """A transpose that keeps the order of the axes of size > 1 is left out of the decode
+    step's graph (it moves no element), and so is a reshape to the shape at hand; the result
+    is ``reshape(transpose(x, perm), shape)`` whatever the sizes."""
+    from mlx_recgen.backends.mlx_ops import _arranged
+
+    for shape, perm in [((1, 1, 4, 8), (1, 0, 2, 3)), ((2, 1, 4, 8), (1, 0, 2, 3)),
+                        ((1, 3, 4, 8), (1, 0, 3, 2)), ((2, 3, 1), (2, 0, 1))]:
+        x = mx.random.normal(shape)
+        want = mx.transpose(x, perm)
+        for target in (want.shape, (-1,), (*want.shape, 1)):
+            target = [want.size] if target == (-1,) else list(target)
+            assert mx.array_equal(_arranged(x, list(perm), target), mx.reshape(want, target))
+    x = mx.random.normal((1, 1, 4, 8))
+    assert _arranged(x, [1, 0, 2, 3], [1, 1, 4, 8]) is x  # no op at all
 
 
 def test_longer_calls_take_the_full_path():

@@ -11,6 +11,7 @@ dtype and shape; every routed call is counted in ``Recurrence.__call__``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 
@@ -701,3 +702,49 @@ def test_lora_command_trains_through_the_recurrences(tmp_path, monkeypatch, recu
     assert len(want) == len(losses) == 2 and recurrence_calls
     assert np.allclose(losses, want, rtol=1e-5), (losses, want)
     assert integration._active is None
+
+
+def test_routed_helpers_bind_arguments_as_python_does():
+    """The routing's binder gives what ``Signature.bind`` + ``apply_defaults`` gives, and raises
+    ``TypeError`` where it does (the original then raises its own error)."""
+    from mlx_recgen.integrations.mlx_lm import _binder
+
+    def helper(q, k, v=None, state=None, *, use_kernel=True, lower_bound=None):
+        pass
+
+    signature = inspect.signature(helper)
+    bind = _binder(signature)
+    for args, kwargs in [((1, 2), {}), ((1, 2, 3), {"lower_bound": 4}), ((1,), {"k": 2}),
+                         ((), {"q": 1, "k": 2, "use_kernel": False, "state": 5}),
+                         ((1, 2, 3, 4), {}), ((1, 2, 3, 4, 5), {}), ((1, 2), {"q": 1}),
+                         ((1,), {}), ((1, 2), {"other": 1})]:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            with pytest.raises(TypeError):
+                bind(args, kwargs)
+            continue
+        bound.apply_defaults()
+        assert list(bind(args, kwargs).items()) == list(bound.arguments.items())
+
+
+def test_gated_delta_checks_are_remembered_by_layout_only():
+    """Arguments of the shapes, dtypes and options of a call that passed the checks skip them;
+    a mask of another dtype still falls back with its reason."""
+    from mlx_lm.models import gated_delta as gd
+
+    mx.random.seed(3)
+    q, k = mx.random.normal((1, 1, 2, 8)), mx.random.normal((1, 1, 2, 8))
+    v = mx.random.normal((1, 1, 4, 8))
+    a, b = mx.random.normal((1, 1, 4)), mx.random.normal((1, 1, 4))
+    A_log, dt_bias = mx.random.normal((4,)), mx.random.normal((4,))
+    S = mx.random.normal((1, 4, 8, 8))
+    mask = mx.array([[True]])
+    with patch(backend="mlx") as routing:
+        for _ in range(2):
+            y, S1 = gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask)
+        gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask.astype(mx.int32))
+    y_ref, S_ref = gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask)
+    assert mx.allclose(y, y_ref, atol=1e-5) and mx.allclose(S1, S_ref, atol=1e-5)
+    assert routing.routed["gated_delta_update"] == 2
+    assert set(routing.fallbacks) == {("gated_delta_update", "mask is not [B, T] bool")}

@@ -81,6 +81,37 @@ def test_errors_are_not_planned():
     assert len(rec._plans) == 0
 
 
+def test_a_repeated_call_skips_the_check_but_not_what_decides_it(monkeypatch):
+    """A call like one that passed the check (positional arrays of the same shapes and dtypes,
+    the same options) runs its plan without checking again; anything else is checked."""
+    rec = _rglru()
+    a, x = _args(3)
+    h0 = mx.random.normal((2, 4))
+    y, h = rec(a, x, initial_state=h0, return_state=True, backend="mlx")
+    checks = []
+    monkeypatch.setattr(rec, "check", lambda *s, **k: checks.append(1) or Recurrence.check(
+        rec, *s, **k))
+    y2, h2 = rec(a, x, initial_state=h0, return_state=True, backend="mlx")
+    assert checks == [] and mx.array_equal(y, y2) and mx.array_equal(h, h2)
+    # without the state: zeros, its own entry
+    assert mx.allclose(rec(a, x, backend="mlx"), rec.reference(a, x), atol=1e-6)
+    assert mx.allclose(rec(a, x, backend="mlx"), rec.reference(a, x), atol=1e-6)
+    assert len(checks) == 1
+    # a new dtype of the same shapes is a new plan: outputs in that dtype
+    assert rec(a.astype(mx.float16), x.astype(mx.float16), backend="mlx").dtype == mx.float16
+    assert rec(a.astype(mx.bfloat16), x.astype(mx.bfloat16), backend="mlx").dtype == mx.bfloat16
+    # what would fail the check still fails it, with its message
+    with pytest.raises(ValueError, match=r"rglru\(\): axis D has size 5 in 'x'"):
+        rec(a, mx.zeros((2, 3, 5)), backend="mlx")
+    with pytest.raises(TypeError, match=r"rglru\(\): argument 'x' must be an mx.array"):
+        rec(a, [[0.0]], backend="mlx")
+    with pytest.raises(ValueError, match=r"rglru\(\): argument 'initial_state' has shape"):
+        rec(a, x, initial_state=mx.zeros((2, 4, 1)), backend="mlx")
+    for L in range(4, 4 + PLAN_CACHE_SIZE + 2):
+        rec(*_args(L), backend="mlx")
+    assert len(rec._checked) == PLAN_CACHE_SIZE
+
+
 def test_compiled_blocks_are_bounded_and_shared_across_lengths(monkeypatch):
     """The mlx backend's compiled forward blocks: one compiled function per shape of the axes
     other than time (a new length reuses it), at most ``COMPILED_SIZES`` of them."""

@@ -35,12 +35,13 @@ any transform runs each forward segment as compiled calls of at most ``unroll`` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..layout import (canonical_shape, expand_groups, expanded, from_time_major, sum_groups,
-                      sum_to, to_time_major)
+from ..layout import (canonical_shape, declared_shape, expand_groups, expanded, from_time_major,
+                      sum_groups, sum_to, to_time_major)
 from ..memo import LRU
 from ..phases import Phases, split
 from ..render.mlx_ops import MLXStep, render_mlx
@@ -459,8 +460,8 @@ class _Layout:
     def parts(self, spec, x, sizes) -> list:
         if self.groups:
             x = expand_groups(spec, self.t, x, sizes)
-        x = mx.reshape(mx.transpose(x, self.perm), self.shape + ([self.components]
-                                                                  if self.components > 1 else []))
+        x = _arranged(x, self.perm, self.shape + ([self.components] if self.components > 1
+                                                  else []))
         if self.components == 1:
             return [x]
         # a slice, not x[..., c] (a gather, whose vjp has no jvp)
@@ -468,7 +469,21 @@ class _Layout:
 
     def declared(self, parts: list) -> mx.array:
         x = mx.stack(parts, axis=-1) if self.components > 1 else parts[0]
-        return mx.transpose(mx.reshape(x, self.present_shape), self.back)
+        x = _arranged(x, list(range(x.ndim)), self.present_shape)
+        return _arranged(x, self.back, [self.present_shape[i] for i in self.back])
+
+
+def _arranged(x, perm, shape) -> mx.array:
+    """``reshape(transpose(x, perm), shape)`` in as few ops as the sizes allow: a transpose
+    that keeps the order of the axes of size > 1 (a decode step's time and batch axes are often
+    of size 1) moves no element and is left out, and so is a reshape to the shape ``x`` has."""
+    moved = [i for i in perm if x.shape[i] > 1]
+    if moved != sorted(moved):
+        x = mx.transpose(x, perm)
+    return x if x.shape == tuple(shape) else mx.reshape(x, shape)
+
+
+COMPILE_MAX_STATE = 4096  # state elements per call up to which the decode path is compiled
 
 
 class _Decoder:
@@ -476,8 +491,11 @@ class _Decoder:
     states)``, the whole step (``MLXBackend.decode_step``: state update and outputs in one pass)
     once per step as plain MLX ops in the ``_Layout`` worked out for the plan's sizes; no
     checkpoints. MLX's own transforms differentiate (a few steps' states are cheap to keep),
-    vmap and compile it; it is not ``mx.compile``d itself: on the CPU (mlx 0.32) the compiled
-    step ran about 15x slower than its plain ops (gated DeltaNet, H16 K=V=128)."""
+    vmap and compile it. Calls whose states hold at most ``COMPILE_MAX_STATE`` elements run it
+    ``mx.compile``d: there the ops' dispatch dominates and compiling fuses it away (a tiny
+    gated DeltaNet step, H4 K=V=8: 42 against 67 µs on the CPU, mlx 0.32); larger states run
+    the plain ops, which the CPU runs faster than the compiled step (H16 K=V=128: 423 against
+    494 µs)."""
 
     def __init__(self, backend, sizes: dict, out_dtype):  # an MLXBackend (mlx_backend.py)
         spec, table = backend.rec.spec, backend.table
@@ -506,8 +524,14 @@ class _Decoder:
         self.results = [(kind == "state", (state_parts if kind == "state" else outputs_parts)
                          .index((slot.tensor, slot.component))) for kind, slot in step.results]
         self.n_in, self.n_out_parts = len(spec.inputs), len(outputs_parts)
+        state_elements = sum(math.prod(declared_shape(t, sizes)) for t in spec.states.values())
+        self.compiled = state_elements <= COMPILE_MAX_STATE
+        self._run = mx.compile(self._steps) if self.compiled else self._steps
 
     def __call__(self, *arrays):
+        return self._run(*arrays)
+
+    def _steps(self, *arrays):
         spec, sizes = self.spec, self.sizes
         inputs = []
         for t, layout, x in zip(spec.inputs.values(), self.inputs, arrays[:self.n_in]):

@@ -84,7 +84,8 @@ import mlx.nn as nn
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, exp, where
-from mlx_recgen.function import BACKENDS, FLOAT_DTYPES
+from mlx_recgen.function import BACKENDS, FLOAT_DTYPES, PLAN_CACHE_SIZE
+from mlx_recgen.memo import LRU
 from mlx_recgen.schedule import SCHEDULES
 
 MIN_MLX_LM = (0, 32, 2)  # from this release on, ssm_attn masks the decay of padded steps
@@ -233,13 +234,18 @@ def _require(condition, reason: str):
         raise _Unsupported(reason)
 
 
+# MLX's floating dtypes a recurrence does not take (float64), found once: a decode step checks
+# each argument of each routed call against them
+_OTHER_FLOATS = tuple(d for d in vars(mx).values() if isinstance(d, mx.Dtype)
+                      and mx.issubdtype(d, mx.floating) and d not in FLOAT_DTYPES)
+
+
 def _require_recurrence_dtypes(arguments: dict):
     """A recurrence takes float32, float16 and bfloat16 arrays; mlx-lm's MLX ops take float64
     too (on the CPU): such calls are the original's."""
     other = {}
     for name, x in arguments.items():
-        if (isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating)
-                and x.dtype not in FLOAT_DTYPES):
+        if isinstance(x, mx.array) and x.dtype in _OTHER_FLOATS:
             other.setdefault(str(x.dtype).replace("mlx.core.", ""), []).append(name)
     _require(not other, "; ".join(f"{dtype} {', '.join(names)}" for dtype, names in other.items())
              + " (a recurrence takes float32, float16 or bfloat16)")
@@ -352,13 +358,22 @@ def _ssd_blockwise(options, x, dt, A, B, C, state, mask):
 
 def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel,
                         lower_bound, allow_neg_eigval):
-    _require(all(_is_array(t, ndim=4) for t in (q, k, v)) and q.shape == k.shape
-             and v.shape[:2] == k.shape[:2], "q, k, v are not [B, T, ., .] floats")
+    # arguments like ones that passed the checks below (the same shapes, dtypes and options)
+    # pass them again: a decode step calls this once per layer and token
+    try:
+        key = (*(_layout(t) for t in (q, k, v, a, b, A_log, dt_bias, state, mask)),
+               lower_bound, bool(allow_neg_eigval))
+        checked = key in _GATED_DELTA_CHECKED
+    except TypeError:  # an unhashable argument: the checks below see to it
+        key, checked = None, False
+    if not checked:
+        _require(all(_is_array(t, ndim=4) for t in (q, k, v)) and q.shape == k.shape
+                 and v.shape[:2] == k.shape[:2], "q, k, v are not [B, T, ., .] floats")
+        _require(v.shape[2] % k.shape[2] == 0, "value heads are not a multiple of the key heads")
+        _require(all(_is_array(t) for t in (a, b, A_log, dt_bias)),
+                 "a, b, A_log, dt_bias are not float arrays")
     batch, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    _require(Hv % Hk == 0, "value heads are not a multiple of the key heads")
-    _require(all(_is_array(t) for t in (a, b, A_log, dt_bias)),
-             "a, b, A_log, dt_bias are not float arrays")
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
         beta = beta * 2.0
@@ -366,12 +381,16 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
         g = _decay(A_log, a, dt_bias)
     else:
         g = _bounded_decay(A_log, a, dt_bias, lower_bound)
-    _require(beta.shape == (batch, T, Hv), "b is not [B, T, Hv]")
-    _require(g.shape in ((batch, T, Hv), (batch, T, Hv, Dk)), "the gate is not [B, T, Hv(, Dk)]")
-    _require(state is None or (_is_array(state) and state.shape == (batch, Hv, Dv, Dk)),
-             "state is not [B, Hv, Dv, Dk]")
-    _require(mask is None or (_is_array(mask, mx.bool_) and mask.shape == (batch, T)),
-             "mask is not [B, T] bool")
+    if not checked:
+        _require(beta.shape == (batch, T, Hv), "b is not [B, T, Hv]")
+        _require(g.shape in ((batch, T, Hv), (batch, T, Hv, Dk)),
+                 "the gate is not [B, T, Hv(, Dk)]")
+        _require(state is None or (_is_array(state) and state.shape == (batch, Hv, Dv, Dk)),
+                 "state is not [B, Hv, Dv, Dk]")
+        _require(mask is None or (_is_array(mask, mx.bool_) and mask.shape == (batch, T)),
+                 "mask is not [B, T] bool")
+        if key is not None:
+            _GATED_DELTA_CHECKED[key] = True
     kernel = bool(use_kernel) and _on_metal() and Dk % 32 == 0
     rec = gated_delta(vector_gate=g.ndim == 4, masked=mask is not None)
     masks = () if mask is None else (mask,)
@@ -381,6 +400,15 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
     # the kernel keeps the state's dtype; the MLX ops promote it with the fp32 decay
     state_dtype = state.dtype if kernel and state is not None else mx.float32
     return y.astype(q.dtype), S.astype(state_dtype)
+
+
+_GATED_DELTA_CHECKED = LRU(PLAN_CACHE_SIZE)  # argument layouts that passed the checks
+
+
+def _layout(x):
+    """What the routed helpers' checks read of an argument: an array's shape and dtype, else
+    its type."""
+    return (x.shape, x.dtype) if isinstance(x, mx.array) else type(x)
 
 
 def _rnn_scan(options, x, a, h0):
@@ -433,20 +461,19 @@ class Patch:
                 f"fell back {sum(self.fallbacks.values())}>")
 
     def _route(self, name, original, implementation):
-        signature = inspect.signature(original)
+        bind = _binder(inspect.signature(original))
 
         @functools.wraps(original)
         def routed(*args, **kwargs):
             if not self.active:  # a reference kept past undo(): mlx-lm's own again
                 return original(*args, **kwargs)
             try:
-                bound = signature.bind(*args, **kwargs)
+                arguments = bind(args, kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # raises as the original does
-            bound.apply_defaults()
             try:
-                _require_recurrence_dtypes(bound.arguments)
-                result = implementation(self.options, **bound.arguments)
+                _require_recurrence_dtypes(arguments)
+                result = implementation(self.options, **arguments)
             except _Unsupported as exc:
                 self.fallbacks[(name, str(exc))] += 1
                 return original(*args, **kwargs)
@@ -496,6 +523,39 @@ class Patch:
     def __exit__(self, *exc):
         self.undo()
         return False
+
+
+def _binder(signature: inspect.Signature):
+    """``bind(args, kwargs)``: the arguments of a call by parameter name, defaults filled in,
+    as ``signature.bind(...).apply_defaults()`` gives them (``TypeError`` where it raises), for a
+    signature without ``*args`` or ``**kwargs``; a decode step calls each helper once per layer
+    and token, and ``Signature.bind`` costs several times the rest of the routing."""
+    parameters = signature.parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        raise ValueError(f"no fast binding of {signature}")
+    positional = tuple(p.name for p in parameters
+                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    by_keyword = frozenset(p.name for p in parameters if p.kind != p.POSITIONAL_ONLY)
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    names = tuple(p.name for p in parameters)
+
+    def bind(args, kwargs):
+        if len(args) > len(positional):
+            raise TypeError("too many positional arguments")
+        arguments = dict(zip(positional, args))
+        for key, value in kwargs.items():
+            if key not in by_keyword or key in arguments:
+                raise TypeError(f"unexpected or repeated argument {key!r}")
+            arguments[key] = value
+        if len(arguments) < len(names):
+            for key in names:
+                if key not in arguments:
+                    if key not in defaults:
+                        raise TypeError(f"missing argument {key!r}")
+                    arguments[key] = defaults[key]
+        return {key: arguments[key] for key in names}
+
+    return bind
 
 
 def _rebind(replacements: dict):
