@@ -225,6 +225,15 @@ class KernelRenderer:
         self.names = Names(rec, self.meta, ids)
 
     # -- shared pieces -----------------------------------------------------------------------
+    def _grad_axis_terms(self, t) -> list:
+        """The offset terms of input ``t``'s gradient buffer along the batch axes it carries and
+        the members of its group axes (the partial-sum axes summed after the kernel)."""
+        nm = self.names
+        return ([f" + {nm[('idx', b)]} * {nm[('d_stride', t.name, b)]}"
+                 for b in self.meta.grad_axes[t.name]]
+                + [f" + {nm[('member', g)]} * {nm[('d_stride', t.name, members(g))]}"
+                   for g in self.meta.grad_members[t.name]])
+
     def _common(self, kind):
         spec, d, nm = self.spec, self.d, self.names
         coords = []
@@ -481,10 +490,7 @@ class KernelRenderer:
                                   f"[{self.ckpt_offset(t, c, shares=True)}]"))
         grad_bases = []
         for t in differentiable:
-            extra = [f" + {nm[('idx', b)]} * {nm[('d_stride', t.name, b)]}"
-                     for b in self.meta.grad_axes[t.name]]
-            extra += [f" + {nm[('member', g)]} * {nm[('d_stride', t.name, members(g))]}"
-                      for g in self.meta.grad_members[t.name]]
+            extra = self._grad_axis_terms(t)
             if self.schedule.lane_partials and not t.has_lane:
                 extra.append(f" + lane_group * {nm[('d_stride', t.name, LANE_GROUPS)]}")
             if segment_in_grid and not t.has_time:  # one partial sum per segment

@@ -32,7 +32,7 @@ state slot ``k`` its offset ``v<k>``. Threadgroup memory holds two passes' total
 from __future__ import annotations
 
 from ..ir import free_symbols, prune
-from ..schedule import SEGMENTS, members
+from ..schedule import SEGMENTS
 from ..spec import Slot
 from .kernels import (KernelRenderer, StepWriter, _commit_state, _forward_route, _without_outputs,
                       environment)
@@ -245,10 +245,7 @@ class ScanRenderer(KernelRenderer):
 
         grad_bases = []
         for t in differentiable:
-            extra = [f" + {nm[('idx', b)]} * {nm[('d_stride', t.name, b)]}"
-                     for b in self.meta.grad_axes[t.name]]
-            extra += [f" + {nm[('member', g)]} * {nm[('d_stride', t.name, members(g))]}"
-                      for g in self.meta.grad_members[t.name]]
+            extra = self._grad_axis_terms(t)
             if not t.has_time:  # one partial sum per time-thread
                 extra.append(f" + j * {nm[('d_stride', t.name, SEGMENTS)]}")
             grad_bases.append(f"const {d.int64} {nm[('d_base', t.name)]} = "
