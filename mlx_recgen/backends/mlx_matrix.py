@@ -237,10 +237,9 @@ class MatrixForm(SequentialForm):
         self.factors = render_mlx(_program(ir, exprs, sums), "matrix_factors")
         self.group_factors = {g: (render_mlx(_program(ir, e), f"matrix_factors_{g}"), layout)
                               for g, (e, layout) in by_group.items()}
-        readout_of = {ro.target: ro for ro in form.readouts}
-        self.post = render_mlx(_program(ir, list(ir.outputs.values()), given=frozenset(readout_of),
+        readouts = frozenset(ro.target for ro in form.readouts)  # arguments of the outputs
+        self.post = render_mlx(_program(ir, list(ir.outputs.values()), given=readouts,
                                         slots=list(ir.outputs)), "matrix_outputs")
-        self.readout_symbols = readout_of
         self._compiled_calls = LRU(COMPILED_SIZES)  # bounded: a trace per shape is kept
 
     # -- the factors of every step ---------------------------------------------------------------
