@@ -16,12 +16,16 @@ b_r``, outputs from readouts ``Σ_n c_t[n] S_{t-1}[n, :]``), the sequence is cut
   ``[C, C]`` and multiplies ``c @ a_rᵀ`` element by element, and where ``c`` and ``a_r`` read
   only inputs given per group of heads (``groups=``, Mamba-2's ``B`` and ``C``) ``c @ a_rᵀ``
   is taken once per group and broadcast over the group's members (nothing is repeated);
-* the chunk's end state: ``exp(Λ_C) ⊙ S_start + Σ_r (a_r ⊙ exp(Λ_C - Λ))ᵀ @ b_r``, passed from
-  chunk to chunk in order (one multiply-add of ``[K, V]`` per chunk).
+* the chunk's end state from zero, ``Σ_r (a_r ⊙ exp(Λ_C - Λ))ᵀ @ b_r``; the states at every
+  chunk's start follow from these by the same causal weights one level up, as one product over
+  chunks (``_carry``: no loop over chunks).
 
-Every exponent is a difference ``Λ'_t - Λ_j`` taken where ``j < t`` (masked to ``-inf``
-elsewhere before ``exp``), so for decays ``|d| ≤ 1`` no intermediate exceeds 1. A multiplier
-whose sign is not known symbolically carries its sign as a running product of ±1.
+Every exponent is the sum of its own range of ``log |d|`` (a masked reverse cumulative sum,
+``_between``), not a difference of two running sums, so it is as exact as the range allows;
+the excluded entries are masked to ``-inf`` before ``exp``, and for decays ``|d| ≤ 1`` no
+factor exceeds 1. A multiplier whose sign is not known symbolically carries its sign as a
+running parity of ``-1``s (``_parity``). A non-finite value spreads NaN over the products it
+enters (``0 · inf``), wider than in the sequential schedule: see docs/matrix.md.
 
 Everything is MLX ops (``mx.matmul``: MLX's GEMM on every device), so the backward is MLX's
 VJP of the same computation, recomputed from the inputs (nothing is kept from the forward but
