@@ -196,7 +196,9 @@ class MatrixForm(SequentialForm):
     name = "matrix"
 
     def __init__(self, rec, table, form):  # form: matrix.MatrixForm, the analysis
-        super().__init__(rec, table)
+        # only the shared plumbing of SequentialForm (layouts, calls of rendered programs) is
+        # used: its step chains are not split and rendered again for this form
+        self.rec, self.table = rec, table
         self.form = form
         ir = rec.ir
         exprs, self.layout = [], []  # layout: (what, state index, readout index, term index)
