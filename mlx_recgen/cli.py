@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .backends.kernels import CHUNKED_KERNELS, SEQUENTIAL_KERNELS
-from .function import BACKENDS, positive_int
+from .function import BACKENDS, positive_int, require_backend
 from .specs import list_specs, load_spec
 
 TOLERANCE = 1e-4  # relative error allowed by `check` and `demo` (fp32 throughout)
@@ -53,14 +53,7 @@ def resolve_backend(requested: str | None, default: str = "auto") -> tuple:
         return "mlx", "the best available: this MLX has neither Metal nor CUDA"
     if requested not in BACKENDS:
         raise ValueError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
-    if requested == "metal-sim":
-        from .sim import find_compiler
-
-        find_compiler()  # raises when no C++ compiler is on PATH
-    elif requested in ("metal", "cuda"):
-        from .backends.kernels import kernel_factory
-
-        kernel_factory(requested)  # raises when this MLX has no such device
+    require_backend(requested)
     return requested, ("requested with --backend" if given
                        else "the default; --backend chooses another")
 

@@ -674,6 +674,19 @@ def _assigned(program) -> set:
             if hasattr(b, "target")}
 
 
+def require_backend(backend: str) -> None:
+    """Raise now, before anything is computed, where ``backend`` cannot run here: ``metal`` or
+    ``cuda`` without that device in this MLX, ``metal-sim`` without a C++ compiler."""
+    if backend in ("metal", "cuda"):
+        from .backends.kernels import kernel_factory
+
+        kernel_factory(backend)  # raises without the device
+    elif backend == "metal-sim":
+        from .sim import find_compiler
+
+        find_compiler()  # raises without a C++ compiler
+
+
 def default_backend() -> str:
     """``metal`` where MLX has Metal, else ``cuda`` where it has CUDA, else ``mlx``."""
     try:

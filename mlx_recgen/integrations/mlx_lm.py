@@ -84,7 +84,7 @@ import mlx.nn as nn
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, exp, where
-from mlx_recgen.function import BACKENDS, FLOAT_DTYPES, PLAN_CACHE_SIZE
+from mlx_recgen.function import BACKENDS, FLOAT_DTYPES, PLAN_CACHE_SIZE, require_backend
 from mlx_recgen.memo import LRU
 from mlx_recgen.schedule import SCHEDULES
 
@@ -585,7 +585,7 @@ def patch(backend: str = "auto", schedule: str = "auto") -> Patch:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    _require_device(backend)
+    require_backend(backend)
     if _active is not None:
         raise RuntimeError(f"mlx-lm is already patched ({_active!r}); undo that patch first")
     import mlx_lm
@@ -598,18 +598,6 @@ def patch(backend: str = "auto", schedule: str = "auto") -> Patch:
     handle._install()
     _active = handle
     return handle
-
-
-def _require_device(backend: str):
-    """Raise now, not at the first routed call, where ``backend`` cannot run here."""
-    if backend in ("metal", "cuda"):
-        from mlx_recgen.backends.kernels import kernel_factory
-
-        kernel_factory(backend)  # raises without the device
-    elif backend == "metal-sim":
-        from mlx_recgen.sim import find_compiler
-
-        find_compiler()  # raises without a C++ compiler
 
 
 # -- command line ------------------------------------------------------------------------------
