@@ -32,6 +32,12 @@ class Dialect:
     max_threads: int = 1024
     math: dict = field(default_factory=dict)
     prelude: str = ""  # target-only helpers, placed in the header
+    # the matrix schedule's kernels (``render/matrix.py``): the qualifier of a pointer to group
+    # memory, the most group memory a kernel may declare, and ``recgen_mm``, the product of two
+    # tiles in group memory on the target's matrix units
+    shared_pointer: str = ""
+    shared_bytes: int = 32768
+    matrix_prelude: str = ""
 
 
 _COMMON_MATH = {
@@ -59,6 +65,31 @@ METAL = Dialect(
     uint="uint",
     infinity="INFINITY",  # <metal_math> constants (also in MLX's utils.h)
     nan="NAN",
+    shared_pointer="threadgroup ",
+    shared_bytes=32768,
+    matrix_prelude="""\
+// D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in threadgroup memory (row-major,
+// leading dimensions lda, ldb, ldd; op transposes where TA / TB): 8 x 8 tiles of D dealt to the
+// simdgroups in turn, each a chain of simdgroup_multiply_accumulate over K (fp32 throughout).
+template <int M, int N, int K, bool TA, bool TB, bool ACC>
+inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A, int lda,
+                      const threadgroup float* B, int ldb, uint simd_group, uint simd_groups) {
+  for (uint tile = simd_group; tile < uint((M / 8) * (N / 8)); tile += simd_groups) {
+    const uint i = (tile / (N / 8)) * 8, j = (tile % (N / 8)) * 8;
+    simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    if (ACC) {
+      simdgroup_load(acc, D, ldd, ulong2(j, i));
+    }
+    for (uint k = 0; k < uint(K); k += 8) {
+      simdgroup_float8x8 a, b;
+      simdgroup_load(a, A, lda, ulong2(k, i), TA);  // the origin is (column, row) of op(A)
+      simdgroup_load(b, B, ldb, ulong2(j, k), TB);
+      simdgroup_multiply_accumulate(acc, a, b, acc);
+    }
+    simdgroup_store(acc, D, ldd, ulong2(j, i));
+  }
+}
+""",
     math={k: ("metal::" + v if not v.startswith("recgen_") else v) for k, v in _COMMON_MATH.items()},
     prelude="""\
 // MSL has no log1p: log(1 + x) with the rounding error of 1 + x cancelled.
@@ -90,6 +121,52 @@ CUDA = Dialect(
     # holding a large state exceeds ("too many resources requested for launch"); 256 threads
     # launch at any count up to the 255-register maximum.
     max_threads=256,
+    shared_pointer="",
+    shared_bytes=49152,  # static __shared__ arrays of one block
+    matrix_prelude="""\
+// fp32 -> TF32 (round to nearest, ties away), the operand format of the fp32 tensor-core MMA
+__device__ inline unsigned recgen_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+// element (r, c) of op(X): X row-major with leading dimension ld, transposed where tr
+__device__ inline float recgen_at(const float* x, int ld, bool tr, int r, int c) {
+  return tr ? x[c * ld + r] : x[r * ld + c];
+}
+// D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in shared memory (row-major,
+// leading dimensions lda, ldb, ldd; op transposes where TA / TB): 16 x 8 tiles of D dealt to the
+// warps in turn, each a chain of mma.sync m16n8k8 over K on the tensor cores, operands in TF32
+// and accumulation in fp32 (sm_80 and later). Lane (g, t) = (lane / 4, lane % 4) holds A at
+// rows g, g + 8 and columns t, t + 4, B at rows t, t + 4 and column g, D at rows g, g + 8 and
+// columns 2t, 2t + 1 (PTX ISA, "Matrix Fragments for mma.m16n8k8").
+template <int M, int N, int K, bool TA, bool TB, bool ACC>
+__device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, const float* B,
+                                 int ldb, unsigned simd_group, unsigned simd_groups) {
+  const int lane = int(threadIdx.x & 31u), g = lane >> 2, t = lane & 3;
+  for (unsigned tile = simd_group; tile < unsigned((M / 16) * (N / 8)); tile += simd_groups) {
+    const int i = int(tile / (N / 8)) * 16, j = int(tile % (N / 8)) * 8;
+    float* d0 = D + (i + g) * ldd + j + 2 * t;
+    float* d1 = d0 + 8 * ldd;
+    float c0 = ACC ? d0[0] : 0.0f, c1 = ACC ? d0[1] : 0.0f;
+    float c2 = ACC ? d1[0] : 0.0f, c3 = ACC ? d1[1] : 0.0f;
+    for (int k = 0; k < K; k += 8) {
+      const unsigned a0 = recgen_tf32(recgen_at(A, lda, TA, i + g, k + t));
+      const unsigned a1 = recgen_tf32(recgen_at(A, lda, TA, i + g + 8, k + t));
+      const unsigned a2 = recgen_tf32(recgen_at(A, lda, TA, i + g, k + t + 4));
+      const unsigned a3 = recgen_tf32(recgen_at(A, lda, TA, i + g + 8, k + t + 4));
+      const unsigned b0 = recgen_tf32(recgen_at(B, ldb, TB, k + t, j + g));
+      const unsigned b1 = recgen_tf32(recgen_at(B, ldb, TB, k + t + 4, j + g));
+      asm volatile(
+          "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+          "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+          : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+    d0[0] = c0; d0[1] = c1; d1[0] = c2; d1[1] = c3;
+  }
+}
+""",
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
           "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus",

@@ -1,0 +1,178 @@
+"""The matrix schedule on the kernel backends: the chunk form of one state in generated kernels.
+
+For a state of the matrix form (``matrix.analyse``) with a scalar positive decay, one added
+term and one readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-step
+factors, ``(I, T, K)`` arrays ``c`` and ``a``, ``(I, T, V)`` ``b``, ``(I, T)`` ``log d`` and the
+initial state ``(I, K, V)``, giving the readouts ``y[t] = c[t] · S[t-1]`` (``· S[t]`` for a
+``decayed`` readout), the final state and the state entering every chunk. Everything else —
+the factors from the inputs, the per-step outputs from the readouts — stays MLX ops, so MLX
+differentiates it; the core's VJP is
+
+* the states kernel walked newest first: the gradient leaving each chunk (``G``) and ``dS0``;
+* per chunk, in MLX ops (batched matmuls): with ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``),
+  ``dW = M ∘ (dy @ bᵀ)``, ``W = M ∘ (c @ aᵀ)``:
+  ``dc = exp(R) ⊙ (dy @ Sᵀ) + dW @ a``, ``da = dWᵀ @ c + exp(Λ_C - Λ) ⊙ (b @ Gᵀ)``,
+  ``db = Wᵀ @ dy + (a ⊙ exp(Λ_C - Λ)) @ G``; the exponents' gradients are ``Σ_k c ⊙ dc`` on
+  ``R_t``, ``-Σ_k a ⊙ da`` on ``Λ_j`` and ``Σ G ⊙ S_next`` on ``Λ_C``, summed back onto
+  ``log d`` by reverse cumulative sums.
+
+Kernels are rendered by ``render/matrix.py`` and built once per (shape, flags); the chunk the
+kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most 64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from ..memo import LRU
+from ..render.dialects import DIALECTS
+from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, tiles
+from ..render.names import kernel_name
+from .kernels import kernel_factory
+
+MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
+
+
+def kernel_chunk(seg: int) -> int:
+    """The chunk the kernels run for the schedule's ``seg``: a multiple of 16, at most 64."""
+    return min(MAX_CHUNK, -(-seg // 16) * 16)
+
+
+def _cut(x, C):
+    """``(I, T, X)`` -> ``(I, nc, C, X)``, zero-padded."""
+    I, T, X = x.shape
+    nc = -(-T // C)
+    if nc * C != T:
+        x = mx.pad(x, [(0, 0), (0, nc * C - T), (0, 0)])
+    return x.reshape(I, nc, C, X)
+
+
+def _join(x, T):
+    I, nc, C, X = x.shape
+    return x.reshape(I, nc * C, X)[:, :T]
+
+
+class MatrixKernels:
+    """The matrix schedule's kernels on one kernel backend (``metal``, ``metal-sim``,
+    ``cuda``). fp32 products run on the matrix units, in TF32 on CUDA (as MLX's own fp32
+    matmuls) unless ``MLX_ENABLE_TF32=0``, MLX's switch, which selects exact fp32 products."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.dialect = DIALECTS[backend]
+        self._factory = None
+        self._kernels = LRU(32)
+        self._cores = LRU(32)
+
+    def units(self) -> bool:
+        return not (self.dialect.name == "cuda" and os.environ.get("MLX_ENABLE_TF32") == "0")
+
+    def shape(self, C, K, V, inclusive):
+        """The kernels' shape for these sizes, or None where no tiling fits group memory."""
+        t = tiles(C, K, V, self.dialect.shared_bytes)
+        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, self.units())
+
+    def _kernel(self, shape, kind):
+        def build():
+            if self._factory is None:
+                self._factory = kernel_factory(self.backend)
+            r = MatrixRenderer(self.dialect, shape)
+            if kind == "outputs":
+                body, ins, outs = r.outputs(), ["c", "a", "b", "log_d", "states", "dims"], ["out"]
+            else:
+                body = r.states(reverse=kind == "adjoint")
+                ins, outs = ["x", "y", "log_d", "init", "dims"], ["states", "last"]
+            header = r.header(kind)
+            return self._factory(name=kernel_name("matrix", kind, header, body, ins, outs),
+                                 input_names=ins, output_names=outs, source=body, header=header)
+
+        return self._kernels.get_or_build((shape, kind), build)
+
+    # -- launches --------------------------------------------------------------------------------
+    def states(self, shape, x, y, log_d, init, reverse=False):
+        """The state entering every chunk ``(I, nc, K, V)`` and the last one (walked newest
+        first: the gradient leaving every chunk, and the initial state's)."""
+        I, T, K = x.shape
+        V = y.shape[-1]
+        nc = -(-T // shape.C)
+        groups = I * -(-K // shape.KT) * -(-V // shape.VT)
+        return self._kernel(shape, "adjoint" if reverse else "states")(
+            inputs=[x, y, log_d, init, mx.array([T], dtype=mx.int32)],
+            grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32, mx.float32])
+
+    def outputs(self, shape, c, a, b, log_d, starts):
+        I, T, _ = c.shape
+        V = b.shape[-1]
+        nc = -(-T // shape.C)
+        groups = I * nc * -(-V // shape.VT)
+        return self._kernel(shape, "outputs")(
+            inputs=[c, a, b, log_d, starts, mx.array([T], dtype=mx.int32)],
+            grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(I, T, V)], output_dtypes=[mx.float32])[0]
+
+    # -- the custom function ---------------------------------------------------------------------
+    def core(self, shape):
+        """``(c, a, b, log_d, S0) -> (y, S_final, S_start)`` with its VJP (module docstring)."""
+        return self._cores.get_or_build(shape, lambda: self._build_core(shape))
+
+    def _build_core(self, shape):
+        @mx.custom_function
+        def core(c, a, b, log_d, init):
+            starts, last = self.states(shape, a, b, log_d, init)
+            return self.outputs(shape, c, a, b, log_d, starts), last, starts
+
+        @core.vjp
+        def core_vjp(primals, cotangents, outputs):
+            c, a, b, log_d, init = primals
+            dy, d_last = cotangents[0], cotangents[1]
+            _, last, starts = outputs
+            leaving, d_init = self.states(shape, c, dy, log_d, d_last, reverse=True)
+            return (*self._chunk_gradients(shape, c, a, b, log_d, dy, starts, last, leaving),
+                    d_init)
+
+        return core
+
+    @staticmethod
+    def _chunk_gradients(shape, c, a, b, log_d, dy, starts, last, leaving):
+        """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
+        (module docstring), as batched products over chunks."""
+        C, T = shape.C, c.shape[1]
+        cc, ac, bc, dyc = (_cut(x, C) for x in (c, a, b, dy))
+        lam = _cut(log_d[..., None], C)  # (I, nc, C, 1)
+        cum = mx.cumsum(lam, axis=-2)
+        row = cum if shape.inclusive else cum - lam
+        whole = cum[..., -1:, :]
+        i = mx.arange(C)
+        causal = i[:, None] > i[None, :]
+        M = mx.where(causal, mx.exp(mx.where(causal, row - mx.swapaxes(cum, -1, -2), 0.0)), 0.0)
+        tr = lambda x: mx.swapaxes(x, -1, -2)
+        W = (cc @ tr(ac)) * M
+        dW = (dyc @ tr(bc)) * M
+        e_row, e_end = mx.exp(row), mx.exp(whole - cum)
+        b_G = bc @ tr(leaving)  # (I, nc, C, K)
+        dc = e_row * (dyc @ tr(starts)) + dW @ ac
+        da = tr(dW) @ cc + e_end * b_G
+        db = tr(W) @ dyc + (ac * e_end) @ leaving
+        nxt = mx.concatenate([starts[:, 1:], last[:, None]], axis=1)
+        d_row = mx.sum(cc * dc, axis=-1, keepdims=True)
+        d_cum = -mx.sum(ac * da, axis=-1, keepdims=True)
+        d_whole = mx.sum(leaving * nxt, axis=(-2, -1))[..., None, None]
+        d_lam = (mx.cumsum(d_cum, axis=-2, reverse=True)
+                 + mx.cumsum(d_row, axis=-2, reverse=True, inclusive=shape.inclusive) + d_whole)
+        return _join(dc, T), _join(da, T), _join(db, T), _join(d_lam, T)[..., 0]
+
+
+_BY_BACKEND: dict = {}
+
+
+def matrix_kernels(backend: str) -> MatrixKernels:
+    """The one ``MatrixKernels`` of a kernel backend."""
+    if backend not in _BY_BACKEND:
+        _BY_BACKEND[backend] = MatrixKernels(backend)
+    return _BY_BACKEND[backend]
+
+
+__all__ = ["MAX_CHUNK", "MatrixKernels", "kernel_chunk", "matrix_kernels"]

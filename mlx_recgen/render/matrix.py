@@ -1,0 +1,102 @@
+"""Render the kernels of the matrix schedule (``backends/matrix_kernels.py``, docs/matrix.md).
+
+The matrix schedule's per-step factors (``c``, ``a``, ``b``, ``log d``) come from the spec
+through ``matrix.analyse`` and are evaluated in MLX ops; what the kernels compute is the chunk
+form itself, the same for every spec, so they are rendered from the chunk length, the state's
+sizes and two flags, not from a spec:
+
+states   one threadgroup per (instance, K tile, V tile) walks the chunks in order, its tile of
+         the state in group memory, and stores the state entering each chunk:
+         ``S <- exp(Λ_C) S + Xᵀ Y`` with ``X[j] = a[j] exp(Λ_C - Λ_j)``, ``Y = b``. Walked newest
+         first with ``X[j] = c[j] exp(R_j)``, ``Y = dy``, the same kernel carries the adjoint of
+         the states and stores the gradient leaving each chunk.
+outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_start) +
+         (M ∘ (c @ aᵀ)) @ b`` with the causal decay weights ``M[t, j] = exp(R_t - Λ_j)``,
+         ``j < t``.
+
+``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
+``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
+marked ``decayed`` (``matrix.Readout.decayed``: ``d_t`` multiplies the whole readout). Every
+product is ``recgen_mm`` on two tiles in group memory: the target's matrix units
+(``Dialect.matrix_prelude``: ``simdgroup_matrix`` on Metal, ``mma.sync`` in TF32 on CUDA) or,
+for exact fp32, a loop over the scalar units written once for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kernels import environment
+
+THREADS = 128  # four simdgroups / warps per threadgroup
+TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
+
+
+def _padded(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def shared_floats(C: int, KT: int, VT: int) -> dict:
+    """Floats of group memory each kernel declares."""
+    return {"states": C * KT + C * VT + KT * VT + 2 * C,
+            "outputs": max(2 * C * KT, C * VT) + C * C + KT * VT + C * VT + 2 * C}
+
+
+def tiles(C: int, K: int, V: int, shared_bytes: int) -> tuple:
+    """``(KT, VT)``: the largest tiles (V first: a wider V tile repeats less of ``c @ aᵀ``) whose
+    kernels fit ``shared_bytes`` of group memory, or None."""
+    for VT in (v for v in TILE_SIZES if v <= _padded(V)):
+        for KT in (k for k in TILE_SIZES if k <= _padded(K)):
+            if max(shared_floats(C, KT, VT).values()) * 4 <= shared_bytes:
+                return KT, VT
+    return None
+
+
+@dataclass(frozen=True)
+class MatrixKernelShape:
+    """What a matrix kernel's text depends on: chunk ``C`` (a multiple of 16), state sizes
+    ``K``, ``V``, tiles, whether readouts include their own step's decay, and whether the
+    products run on the matrix units (else exact fp32 on the scalar units)."""
+
+    C: int
+    K: int
+    V: int
+    KT: int
+    VT: int
+    inclusive: bool
+    units: bool
+
+
+class MatrixRenderer:
+    """Header and bodies of the matrix schedule's kernels for one dialect and shape."""
+
+    def __init__(self, dialect, shape: MatrixKernelShape):
+        self.d, self.shape = dialect, shape
+
+    def _context(self, kind: str) -> dict:
+        s = self.shape
+        inclusive = s.inclusive
+        return dict(d=self.d, kind=kind, C=s.C, K=s.K, V=s.V, KT=s.KT, VT=s.VT, NT=THREADS,
+                    units=s.units, i64=self.d.int64,
+                    tiles=max(2 * s.C * s.KT, s.C * s.VT),
+                    row_exponent="s" if inclusive else "before",
+                    row_doc="Λ_t" if inclusive else "Λ_t - log d_t")
+
+    def header(self, kind: str) -> str:
+        return environment().get_template("matrix_header.j2").render(**self._context(kind))
+
+    def states(self, reverse: bool) -> str:
+        ctx = self._context("states")
+        if reverse:
+            ctx.update(reverse=True, x_exponent="row[j]", x_doc="c[j] exp(R_j)",
+                       y_doc="dy[j]")
+        else:
+            ctx.update(reverse=False, x_exponent="whole - cum[j]",
+                       x_doc="a[j] exp(Λ_C - Λ_j)", y_doc="b[j]")
+        return environment().get_template("matrix_states.j2").render(**ctx)
+
+    def outputs(self) -> str:
+        return environment().get_template("matrix_outputs.j2").render(**self._context("outputs"))
+
+
+__all__ = ["MatrixKernelShape", "MatrixRenderer", "THREADS", "shared_floats", "tiles"]
