@@ -505,6 +505,8 @@ class Recurrence:
             if options:
                 raise ValueError(f"{self.name}(): {'= and '.join(options)}= applies to the "
                                  "kernel schedules, not schedule='matrix'")
+            if impl.name != "mlx":  # its chunk products in that backend's kernels
+                options["kernels"] = impl.name
             impl = rec._backend("mlx")
         options["schedule"] = kind
         decode = None

@@ -32,6 +32,7 @@ from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 
+KERNELS = ("states", "outputs", "adjoint")  # the adjoint: the states kernel walked newest first
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 
 
@@ -47,6 +48,10 @@ def _cut(x, C):
     if nc * C != T:
         x = mx.pad(x, [(0, 0), (0, nc * C - T), (0, 0)])
     return x.reshape(I, nc, C, X)
+
+
+def _signs(sign):
+    return [] if sign is None else [sign]
 
 
 def _join(x, T):
@@ -69,74 +74,90 @@ class MatrixKernels:
     def units(self) -> bool:
         return not (self.dialect.name == "cuda" and os.environ.get("MLX_ENABLE_TF32") == "0")
 
-    def shape(self, C, K, V, inclusive):
+    def shape(self, C, K, V, inclusive, signed=False):
         """The kernels' shape for these sizes, or None where no tiling fits group memory."""
         t = tiles(C, K, V, self.dialect.shared_bytes)
-        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, self.units())
+        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, self.units(),
+                                                        signed)
+
+    @staticmethod
+    def _text(dialect, shape, kind):
+        """(name, input names, output names, body, header) of a kernel: ``KERNELS``."""
+        if kind not in KERNELS:
+            raise ValueError(f"the matrix schedule's kernels are {KERNELS}, got {kind!r}")
+        r = MatrixRenderer(dialect, shape)
+        signs = ["sign"] if shape.signed else []
+        if kind == "outputs":
+            body, outs = r.outputs(), ["out"]
+            ins = ["c", "a", "b", "log_d", *signs, "states", "dims"]
+        else:
+            body = r.states(reverse=kind == "adjoint")
+            ins, outs = ["x", "y", "log_d", *signs, "init", "dims"], ["states", "last"]
+        header = r.header(kind)
+        return kernel_name("matrix", kind, header, body, ins, outs), ins, outs, body, header
 
     def _kernel(self, shape, kind):
         def build():
             if self._factory is None:
                 self._factory = kernel_factory(self.backend)
-            r = MatrixRenderer(self.dialect, shape)
-            if kind == "outputs":
-                body, ins, outs = r.outputs(), ["c", "a", "b", "log_d", "states", "dims"], ["out"]
-            else:
-                body = r.states(reverse=kind == "adjoint")
-                ins, outs = ["x", "y", "log_d", "init", "dims"], ["states", "last"]
-            header = r.header(kind)
-            return self._factory(name=kernel_name("matrix", kind, header, body, ins, outs),
-                                 input_names=ins, output_names=outs, source=body, header=header)
+            name, ins, outs, body, header = self._text(self.dialect, shape, kind)
+            return self._factory(name=name, input_names=ins, output_names=outs, source=body,
+                                 header=header)
 
         return self._kernels.get_or_build((shape, kind), build)
 
     # -- launches --------------------------------------------------------------------------------
-    def states(self, shape, x, y, log_d, init, reverse=False):
+    def states(self, shape, x, y, log_d, sign, init, reverse=False):
         """The state entering every chunk ``(I, nc, K, V)`` and the last one (walked newest
-        first: the gradient leaving every chunk, and the initial state's)."""
+        first: the gradient leaving every chunk, and the initial state's). ``sign``: the
+        decay's ``±1`` per step, for a shape that is ``signed`` (else None)."""
         I, T, K = x.shape
         V = y.shape[-1]
         nc = -(-T // shape.C)
         groups = I * -(-K // shape.KT) * -(-V // shape.VT)
         return self._kernel(shape, "adjoint" if reverse else "states")(
-            inputs=[x, y, log_d, init, mx.array([T], dtype=mx.int32)],
+            inputs=[x, y, log_d, *_signs(sign), init, mx.array([T], dtype=mx.int32)],
             grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32, mx.float32])
 
-    def outputs(self, shape, c, a, b, log_d, starts):
+    def outputs(self, shape, c, a, b, log_d, sign, starts):
         I, T, _ = c.shape
         V = b.shape[-1]
         nc = -(-T // shape.C)
         groups = I * nc * -(-V // shape.VT)
         return self._kernel(shape, "outputs")(
-            inputs=[c, a, b, log_d, starts, mx.array([T], dtype=mx.int32)],
+            inputs=[c, a, b, log_d, *_signs(sign), starts, mx.array([T], dtype=mx.int32)],
             grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, T, V)], output_dtypes=[mx.float32])[0]
 
     # -- the custom function ---------------------------------------------------------------------
     def core(self, shape):
-        """``(c, a, b, log_d, S0) -> (y, S_final, S_start)`` with its VJP (module docstring)."""
+        """``(c, a, b, log_d, sign, S0) -> (y, S_final, S_start)`` with its VJP (module
+        docstring); ``sign`` is read for a ``signed`` shape only (pass any array else)."""
         return self._cores.get_or_build(shape, lambda: self._build_core(shape))
 
     def _build_core(self, shape):
         @mx.custom_function
-        def core(c, a, b, log_d, init):
-            starts, last = self.states(shape, a, b, log_d, init)
-            return self.outputs(shape, c, a, b, log_d, starts), last, starts
+        def core(c, a, b, log_d, sign, init):
+            sign = sign if shape.signed else None
+            starts, last = self.states(shape, a, b, log_d, sign, init)
+            return self.outputs(shape, c, a, b, log_d, sign, starts), last, starts
 
         @core.vjp
         def core_vjp(primals, cotangents, outputs):
-            c, a, b, log_d, init = primals
+            c, a, b, log_d, sign, init = primals
             dy, d_last = cotangents[0], cotangents[1]
             _, last, starts = outputs
-            leaving, d_init = self.states(shape, c, dy, log_d, d_last, reverse=True)
-            return (*self._chunk_gradients(shape, c, a, b, log_d, dy, starts, last, leaving),
-                    d_init)
+            signs = sign if shape.signed else None
+            leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last, reverse=True)
+            grads = self._chunk_gradients(shape, c, a, b, log_d, signs, dy, starts, last,
+                                          leaving)
+            return (*grads, mx.zeros_like(sign), d_init)
 
         return core
 
     @staticmethod
-    def _chunk_gradients(shape, c, a, b, log_d, dy, starts, last, leaving):
+    def _chunk_gradients(shape, c, a, b, log_d, sign, dy, starts, last, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
         (module docstring), as batched products over chunks."""
         C, T = shape.C, c.shape[1]
@@ -148,10 +169,16 @@ class MatrixKernels:
         i = mx.arange(C)
         causal = i[:, None] > i[None, :]
         M = mx.where(causal, mx.exp(mx.where(causal, row - mx.swapaxes(cum, -1, -2), 0.0)), 0.0)
+        e_row, e_end = mx.exp(row), mx.exp(whole - cum)
+        if sign is not None:  # the sign of d(j+1..t) is par_t par_j (running products)
+            sg = _cut(sign[..., None], C)
+            par = 1.0 - 2.0 * mx.remainder(mx.cumsum((sg < 0).astype(mx.float32), axis=-2), 2.0)
+            row_par = par if shape.inclusive else par * sg
+            M = M * row_par * mx.swapaxes(par, -1, -2)
+            e_row, e_end = e_row * row_par, e_end * par[..., -1:, :] * par
         tr = lambda x: mx.swapaxes(x, -1, -2)
         W = (cc @ tr(ac)) * M
         dW = (dyc @ tr(bc)) * M
-        e_row, e_end = mx.exp(row), mx.exp(whole - cum)
         b_G = bc @ tr(leaving)  # (I, nc, C, K)
         dc = e_row * (dyc @ tr(starts)) + dW @ ac
         da = tr(dW) @ cc + e_end * b_G
@@ -165,6 +192,25 @@ class MatrixKernels:
         return _join(dc, T), _join(da, T), _join(db, T), _join(d_lam, T)[..., 0]
 
 
+def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False) -> str:
+    """The full text of a matrix kernel (``KERNELS``) as ``backend`` compiles it, MLX's
+    generated signature included, for a state of ``state_size`` x ``lanes``."""
+    from .mlx_source import cuda_source, metal_source
+    from .kernels import _ArrayInfo
+
+    if backend not in ("metal", "cuda", "metal-sim"):
+        raise ValueError(f"backend must be 'metal', 'metal-sim' or 'cuda', got {backend!r}")
+    kernels = MatrixKernels(backend)
+    shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive)
+    if shape is None:
+        raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
+    name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
+    ranks = {"dims": 1, "log_d": 2, "init": 3, "states": 4}
+    infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, ranks.get(n, 3)) for n in ins]
+    build = cuda_source if backend == "cuda" else metal_source
+    return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
+
+
 _BY_BACKEND: dict = {}
 
 
@@ -175,4 +221,4 @@ def matrix_kernels(backend: str) -> MatrixKernels:
     return _BY_BACKEND[backend]
 
 
-__all__ = ["MAX_CHUNK", "MatrixKernels", "kernel_chunk", "matrix_kernels"]
+__all__ = ["KERNELS", "MAX_CHUNK", "MatrixKernels", "kernel_chunk", "matrix_kernels", "matrix_source"]

@@ -24,7 +24,7 @@ class MLXBackend:
         self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
         self.sequential = SequentialForm(rec, self.table)
         self._chunked = None
-        self._matrix = None
+        self._matrix = {}  # kernel backend (None: MLX ops alone) -> MatrixForm
 
     @property
     def origin(self) -> dict:
@@ -40,18 +40,23 @@ class MLXBackend:
 
     @property
     def matrix(self):
-        """The matrix form (built on first use; specs with the matrix form only)."""
-        if self._matrix is None:
-            self._matrix = MatrixForm(self.rec, self.table, self.rec.matrix)
-        return self._matrix
+        """The matrix form in MLX ops (built on first use; specs with the matrix form only)."""
+        return self.matrix_on(None)
 
-    def form(self, sizes, schedule="sequential"):
+    def matrix_on(self, kernels=None):
+        """The matrix form whose chunk products run in the kernels of the kernel backend
+        ``kernels`` where they can (``backends/matrix_kernels.py``), else in MLX ops."""
+        if kernels not in self._matrix:
+            self._matrix[kernels] = MatrixForm(self.rec, self.table, self.rec.matrix, kernels)
+        return self._matrix[kernels]
+
+    def form(self, sizes, schedule="sequential", kernels=None):
         """The form that computes a call of these sizes under the schedule ``schedule.choose``
         picked: the one place where it is chosen."""
         if schedule == "chunked":
             return self.chunked
         if schedule == "matrix":
-            return self.matrix
+            return self.matrix_on(kernels)
         return self.sequential
 
     # -- the decode path -------------------------------------------------------------------------
@@ -64,10 +69,10 @@ class MLXBackend:
         """The whole forward step on arrays laid out state axis before lane (``_Decoder``)."""
         return render_mlx(self.rec.forward_program, "decode_step", state_axis=-2)
 
-    def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
-        return self.form(sizes, schedule).forward(inputs, states, sizes, seg, out_dtype)
+    def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential", kernels=None):
+        return self.form(sizes, schedule, kernels).forward(inputs, states, sizes, seg, out_dtype)
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
-                 d_residuals=None, schedule="sequential"):
-        return self.form(sizes, schedule).backward(inputs, states, residuals, d_outputs, d_finals,
+                 d_residuals=None, schedule="sequential", kernels=None):
+        return self.form(sizes, schedule, kernels).backward(inputs, states, residuals, d_outputs, d_finals,
                                                    sizes, seg, d_residuals=d_residuals)

@@ -44,6 +44,7 @@ from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
+from .matrix_kernels import kernel_chunk, matrix_kernels
 from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
 
 LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
@@ -195,11 +196,14 @@ class MatrixForm(SequentialForm):
 
     name = "matrix"
 
-    def __init__(self, rec, table, form):  # form: matrix.MatrixForm, the analysis
-        # only the shared plumbing of SequentialForm (layouts, calls of rendered programs) is
-        # used: its step chains are not split and rendered again for this form
+    def __init__(self, rec, table, form, kernels=None):
+        # form: matrix.MatrixForm, the analysis; kernels: a kernel backend whose matrix kernels
+        # (``matrix_kernels.py``) run the states they serve. Only the shared plumbing of
+        # SequentialForm (layouts, calls of rendered programs) is used: its step chains are not
+        # split and rendered again for this form
         self.rec, self.table = rec, table
         self.form = form
+        self.kernels = matrix_kernels(kernels) if kernels else None
         ir = rec.ir
         exprs, self.layout = [], []  # layout: (what, state index, readout index, term index)
         by_group: dict = {}  # group axis -> (expressions, layout) of the factors of a group
@@ -333,10 +337,17 @@ class MatrixForm(SequentialForm):
         members = {g: _Members(spec.batch_axes.index(spec.groups[g]),
                                sizes[spec.groups[g]] // sizes[g]) for g in self.group_factors}
         chunks = MatrixChunks(T, seg, nb)
-        readouts = {}
+        readouts, direct = {}, {}  # readouts by chunk (*batch, nc, C, V); from the kernels (*batch, T, V)
         finals = []
         for s, st in enumerate(self.form.states):
             S0 = self._state(states, st, sizes)  # (*batch, K, V)
+            served = self._kernel_core(st, S0, seg)
+            if served is not None:
+                core, i = served
+                y, S = self._run_core(core, st, s, i, f, members, S0)
+                direct[i] = direct.get(i, 0.0) + y
+                finals.append(S)
+                continue
             # a zero multiplier would give -inf - -inf below: its log is floored where exp
             # underflows anyway
             log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
@@ -393,10 +404,46 @@ class MatrixForm(SequentialForm):
                 readouts[i] = readouts.get(i, 0.0) + y
         env = {}
         for i, ro in enumerate(self.form.readouts):
-            y = chunks.join(readouts[i])[..., None] if i in readouts else 0.0
+            y = chunks.join(readouts[i]) if i in readouts else 0.0
+            y = y + direct[i] if i in direct else y
+            y = y[..., None] if isinstance(y, mx.array) else y
             env[ro.target] = y + f[("rest", None, i, None)]
         outs = self._call(self.post, env, self._block(values, T, sizes))
         return outs, finals
+
+    # -- the states the matrix kernels serve ----------------------------------------------------
+    def _kernel_core(self, st, S0, seg):
+        """``(core, readout index)`` where the kernels run state ``st`` (a scalar decay, one
+        added term, one readout, a tiling that fits group memory), else None."""
+        if self.kernels is None or st.vector_decay or len(st.terms) != 1:
+            return None
+        reading = [i for i, ro in enumerate(self.form.readouts) if st.symbol in ro.coefficients]
+        if len(reading) != 1:
+            return None
+        i, = reading
+        K, V = S0.shape[-2:]
+        shape = self.kernels.shape(kernel_chunk(seg), K, V,
+                                   st.symbol in self.form.readouts[i].decayed, not st.positive)
+        return None if shape is None else (self.kernels.core(shape), i)
+
+    def _run_core(self, core, st, s, i, f, members, S0):
+        """Readouts ``(*batch, T, V)`` and final state of state ``s`` from the kernels' core."""
+        nb = len(self.rec.spec.batch_axes)
+        batch, (K, V) = S0.shape[:nb], S0.shape[nb:]
+        c = _spread(members, self.level[("c", s, i, None)], f[("c", s, i, None)])
+        a = _spread(members, self.level[("a", s, None, 0)], f[("a", s, None, 0)])
+        b = f[("b", s, None, 0)]
+        log_d = mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR)
+        T = log_d.shape[-2]
+        flat = lambda x: mx.contiguous(mx.broadcast_to(x, (*batch, T, x.shape[-1]))).reshape(
+            -1, T, x.shape[-1])
+        if st.positive:
+            sign = log_d
+        else:  # a zero multiplier counts as positive: its floored log erases the state anyway
+            sign = mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0)
+        y, S, _ = core(flat(c), flat(a), flat(b), flat(log_d)[..., 0], flat(sign)[..., 0],
+                       S0.reshape(-1, K, V))
+        return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
 
     @staticmethod
     def _scores(c, a, log_d, vector_decay, mm):

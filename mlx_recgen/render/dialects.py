@@ -69,12 +69,12 @@ METAL = Dialect(
     shared_bytes=32768,
     matrix_prelude="""\
 // D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in threadgroup memory (row-major,
-// leading dimensions lda, ldb, ldd; op transposes where TA / TB): 8 x 8 tiles of D dealt to the
-// simdgroups in turn, each a chain of simdgroup_multiply_accumulate over K (fp32 throughout).
+// leading dimensions lda, ldb, ldd; op transposes where TA / TB), called by all ``threads`` of
+// the threadgroup (``tid``: this one): 8 x 8 tiles of D dealt to the simdgroups in turn, each a chain of simdgroup_multiply_accumulate over K (fp32 throughout).
 template <int M, int N, int K, bool TA, bool TB, bool ACC>
 inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A, int lda,
-                      const threadgroup float* B, int ldb, uint simd_group, uint simd_groups) {
-  for (uint tile = simd_group; tile < uint((M / 8) * (N / 8)); tile += simd_groups) {
+                      const threadgroup float* B, int ldb, uint tid, uint threads) {
+  for (uint tile = tid / 32; tile < uint((M / 8) * (N / 8)); tile += threads / 32) {
     const uint i = (tile / (N / 8)) * 8, j = (tile % (N / 8)) * 8;
     simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     if (ACC) {
@@ -135,16 +135,16 @@ __device__ inline float recgen_at(const float* x, int ld, bool tr, int r, int c)
   return tr ? x[c * ld + r] : x[r * ld + c];
 }
 // D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in shared memory (row-major,
-// leading dimensions lda, ldb, ldd; op transposes where TA / TB): 16 x 8 tiles of D dealt to the
-// warps in turn, each a chain of mma.sync m16n8k8 over K on the tensor cores, operands in TF32
+// leading dimensions lda, ldb, ldd; op transposes where TA / TB), called by all ``threads`` of
+// the block (``tid``: this one): 16 x 8 tiles of D dealt to the warps in turn, each a chain of mma.sync m16n8k8 over K on the tensor cores, operands in TF32
 // and accumulation in fp32 (sm_80 and later). Lane (g, t) = (lane / 4, lane % 4) holds A at
 // rows g, g + 8 and columns t, t + 4, B at rows t, t + 4 and column g, D at rows g, g + 8 and
 // columns 2t, 2t + 1 (PTX ISA, "Matrix Fragments for mma.m16n8k8").
 template <int M, int N, int K, bool TA, bool TB, bool ACC>
 __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, const float* B,
-                                 int ldb, unsigned simd_group, unsigned simd_groups) {
-  const int lane = int(threadIdx.x & 31u), g = lane >> 2, t = lane & 3;
-  for (unsigned tile = simd_group; tile < unsigned((M / 16) * (N / 8)); tile += simd_groups) {
+                                 int ldb, unsigned tid, unsigned threads) {
+  const int lane = int(tid & 31u), g = lane >> 2, t = lane & 3;
+  for (unsigned tile = tid >> 5; tile < unsigned((M / 16) * (N / 8)); tile += threads >> 5) {
     const int i = int(tile / (N / 8)) * 16, j = int(tile % (N / 8)) * 8;
     float* d0 = D + (i + g) * ldd + j + 2 * t;
     float* d1 = d0 + 8 * ldd;

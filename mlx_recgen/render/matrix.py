@@ -16,7 +16,9 @@ outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_
 
 ``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
 ``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
-marked ``decayed`` (``matrix.Readout.decayed``: ``d_t`` multiplies the whole readout). Every
+marked ``decayed`` (``matrix.Readout.decayed``: ``d_t`` multiplies the whole readout). A decay
+whose sign is not known symbolically brings its sign as a ``±1`` per step, and each weight is
+multiplied by the product of the signs over its range (running products within the chunk). Every
 product is ``recgen_mm`` on two tiles in group memory: the target's matrix units
 (``Dialect.matrix_prelude``: ``simdgroup_matrix`` on Metal, ``mma.sync`` in TF32 on CUDA) or,
 for exact fp32, a loop over the scalar units written once for both.
@@ -65,6 +67,7 @@ class MatrixKernelShape:
     VT: int
     inclusive: bool
     units: bool
+    signed: bool = False  # the decay's sign is not known: a ±1 per step, ``sign``
 
 
 class MatrixRenderer:
@@ -77,7 +80,7 @@ class MatrixRenderer:
         s = self.shape
         inclusive = s.inclusive
         return dict(d=self.d, kind=kind, C=s.C, K=s.K, V=s.V, KT=s.KT, VT=s.VT, NT=THREADS,
-                    units=s.units, i64=self.d.int64,
+                    units=s.units, i64=self.d.int64, signed=s.signed, inclusive=inclusive,
                     tiles=max(2 * s.C * s.KT, s.C * s.VT),
                     row_exponent="s" if inclusive else "before",
                     row_doc="Λ_t" if inclusive else "Λ_t - log d_t")
@@ -86,13 +89,14 @@ class MatrixRenderer:
         return environment().get_template("matrix_header.j2").render(**self._context(kind))
 
     def states(self, reverse: bool) -> str:
-        ctx = self._context("states")
+        ctx, s, exp = self._context("states"), self.shape, self.d.math["exp"]
         if reverse:
-            ctx.update(reverse=True, x_exponent="row[j]", x_doc="c[j] exp(R_j)",
-                       y_doc="dy[j]")
+            ctx.update(reverse=True, x_doc="c[j] exp(R_j)", y_doc="dy[j]",
+                       x_scale=("row_par[j] * " if s.signed else "") + f"{exp}(row[j])")
         else:
-            ctx.update(reverse=False, x_exponent="whole - cum[j]",
-                       x_doc="a[j] exp(Λ_C - Λ_j)", y_doc="b[j]")
+            ctx.update(reverse=False, x_doc="a[j] exp(Λ_C - Λ_j)", y_doc="b[j]",
+                       x_scale=("whole_sign * par[j] * " if s.signed else "")
+                       + f"{exp}(whole - cum[j])")
         return environment().get_template("matrix_states.j2").render(**ctx)
 
     def outputs(self) -> str:

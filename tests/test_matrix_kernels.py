@@ -1,0 +1,168 @@
+"""The matrix schedule on the kernel backends (``backends/matrix_kernels.py``): the states of
+scalar positive decay run as generated kernels whose products are the target's matrix units
+(``simdgroup_matrix`` on Metal through the simulator, ``mma.sync`` on CUDA under ``gpu``), the
+rest in MLX ops. Checked against the papers' loops (``references``), independent of the
+compiler: outputs, final states and every gradient, with L not a multiple of the chunk, one
+short chunk, both kinds of readout (before and after the update), grouped heads, exact fp32
+products, and a planted error in the matrix products that the comparison catches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_recgen as rg
+from conftest import KERNEL_BACKENDS, rel_err
+from references import gla_ref
+from mlx_recgen.backends import matrix_kernels as mk
+from test_matrix import _assert_matches
+from test_zoo import _draw, _from_spec, _reference, _to_spec
+
+SCALAR_DECAY_ZOO = ["mamba2", "retnet"]  # the zoo's matrix specs of scalar decay, besides gla
+TOL = 2e-5  # TF32 products on CUDA are compared at the tolerance of their 10-bit mantissa
+TF32_TOL = 3e-3
+
+
+def _tol(backend):
+    return TF32_TOL if backend == "cuda" else TOL
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the kernels' cores run, so a test knows the kernels (not MLX ops) ran."""
+    calls = []
+    core = mk.MatrixKernels.core
+
+    def counted(self, shape):
+        calls.append(shape)
+        return core(self, shape)
+
+    monkeypatch.setattr(mk.MatrixKernels, "core", counted)
+    return calls
+
+
+def _run(name, backend, seg):
+    rec = rg.load_spec(name)
+
+    def run(inputs, states):
+        y, finals = rec(*inputs, initial_state=_to_spec(name, states), return_state=True,
+                        backend=backend, schedule="matrix", seg=seg)
+        return [y], _from_spec(name, finals)
+
+    return run
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("seg", [4, 16])  # L = 11: kernel chunks of 16, one partial chunk
+@pytest.mark.parametrize("name", SCALAR_DECAY_ZOO)
+def test_zoo_matches_the_paper(name, seg, backend, kernel_calls):
+    mx.random.seed(sum(map(ord, name)) + seg)
+    inputs, states = _draw(name)
+    _assert_matches(_run(name, backend, seg), lambda i, s: _reference(name, i, s), inputs,
+                    states, tol=_tol(backend))
+    assert kernel_calls
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("L, seg", [(150, 64), (40, 16), (70, 32)])
+def test_gla_over_several_chunks(L, seg, backend, kernel_calls):
+    """GLA's scalar gate (readout after the update) over chunks of 64, 16 and 32 steps, with a
+    state of sizes that are no multiple of the tiles."""
+    mx.random.seed(L)
+    b, H, K, V = 2, 3, 20, 12
+    q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
+    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+    g = mx.random.uniform(0.7, 1.0, (b, L, H))
+    gla = rg.load_spec("gla")
+
+    def run(i, s):
+        y, S = gla(*i, initial_state=s[0], return_state=True, backend=backend,
+                   schedule="matrix", seg=seg)
+        return [y], [S]
+
+    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
+                    tol=_tol(backend))
+    assert {s.C for s in kernel_calls} == {seg}
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H"},
+               outputs={"y": "B L H V"})
+def read_before(S, q, k, v, g, i):
+    """A readout of the state before the update: y = Σ q S_{t-1}, then S <- g S + k vᵀ."""
+    y = rg.Sum(q[i] * S[i], i)
+    S[i] = g * S[i] + k[i] * v
+    return {"y": y}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_a_readout_before_the_update(backend, kernel_calls):
+    mx.random.seed(3)
+    b, L, H, K, V = 2, 37, 2, 8, 8
+    q, k, v = (mx.random.normal((b, L, H, n)) for n in (K, K, V))
+    g, S0 = mx.random.uniform(0.5, 1.0, (b, L, H)), mx.random.normal((b, H, K, V))
+
+    def ref(i, s):
+        q, k, v, g = i
+        S, ys = s[0], []
+        for t in range(L):
+            ys.append(mx.einsum("bhk,bhkv->bhv", q[:, t], S))
+            S = g[:, t][..., None, None] * S + k[:, t][..., None] * v[:, t][..., None, :]
+        return [mx.stack(ys, axis=1)], [S]
+
+    def run(i, s):
+        y, S = read_before(*i, initial_state=s[0], return_state=True, backend=backend,
+                           schedule="matrix", seg=16)
+        return [y], [S]
+
+    _assert_matches(run, ref, [q, k, v, g], [S0], tol=_tol(backend))
+    assert kernel_calls and not kernel_calls[0].inclusive
+
+
+def test_exact_products_on_the_scalar_units(monkeypatch, kernel_calls):
+    """``MLX_ENABLE_TF32=0`` on CUDA selects exact fp32 products on the scalar units; the same
+    text runs here through the simulator."""
+    monkeypatch.setattr(mk.MatrixKernels, "units", lambda self: False)
+    mx.random.seed(4)
+    inputs, states = _draw("mamba2")
+    _assert_matches(_run("mamba2", "metal-sim", 16), lambda i, s: _reference("mamba2", i, s),
+                    inputs, states)
+    assert kernel_calls and not kernel_calls[0].units
+    text = mk.matrix_source("outputs", "metal")  # units() is False here too
+    assert "simdgroup_multiply_accumulate" not in text
+
+
+def test_a_planted_error_in_the_matrix_products_is_caught():
+    """The simulator's simdgroup matrices follow Metal's semantics: a product that loads B
+    untransposed where it should transpose gives wrong readouts, and the comparison fails."""
+    from mlx_recgen.render import dialects
+
+    planted = dialects.METAL.matrix_prelude.replace("ulong2(j, k), TB)", "ulong2(j, k), false)")
+    assert planted != dialects.METAL.matrix_prelude
+    original = dialects.METAL.matrix_prelude
+    kernels = mk.matrix_kernels("metal-sim")
+    built = kernels._kernels
+    object.__setattr__(dialects.METAL, "matrix_prelude", planted)  # a frozen dataclass
+    kernels._kernels = type(built)(4)  # kernels rendered with the planted error
+    try:
+        mx.random.seed(5)
+        inputs, states = _draw("retnet")
+        with pytest.raises(AssertionError):
+            _assert_matches(_run("retnet", "metal-sim", 16),
+                            lambda i, s: _reference("retnet", i, s), inputs, states)
+    finally:
+        object.__setattr__(dialects.METAL, "matrix_prelude", original)
+        kernels._kernels = built
+
+
+def test_vector_decays_stay_in_mlx_ops(kernel_calls):
+    """SSD's decay varies over the state axis: its chunk products stay MLX ops on every
+    backend (same numbers as backend='mlx')."""
+    mx.random.seed(6)
+    rec = rg.load_spec("ssd")
+    inputs = [mx.random.normal((1, 20, 2, 4)), mx.random.uniform(0.05, 0.5, (1, 20, 2)),
+              mx.random.normal((1, 20, 2, 8)), mx.random.normal((1, 20, 2, 8)),
+              -mx.exp(mx.random.normal((2, 8)))]
+    a = rec(*inputs, backend="metal-sim", schedule="matrix")
+    b = rec(*inputs, backend="mlx", schedule="matrix")
+    assert mx.array_equal(a, b).item() and not kernel_calls
