@@ -19,8 +19,10 @@ from test_matrix import _assert_matches
 from test_zoo import _draw, _from_spec, _reference, _to_spec
 
 SCALAR_DECAY_ZOO = ["mamba2", "retnet"]  # the zoo's matrix specs of scalar decay, besides gla
-TOL = 2e-5  # TF32 products on CUDA are compared at the tolerance of their 10-bit mantissa
-TF32_TOL = 3e-3
+TOL = 2e-5
+# On CUDA the products run in TF32 (a 10-bit mantissa), ours and MLX's matmuls of the VJP alike:
+# an H100 measured up to 3e-4 on outputs and 5.6e-3 on a gradient that sums many products
+TF32_TOL = 2e-2
 
 
 def _tol(backend):

@@ -40,8 +40,9 @@ def _padded(n: int) -> int:
 
 def shared_floats(C: int, KT: int, VT: int) -> dict:
     """Floats of group memory each kernel declares."""
-    return {"states": C * KT + C * VT + KT * VT + 2 * C,
-            "outputs": max(2 * C * KT, C * VT) + C * C + KT * VT + C * VT + 2 * C}
+    per_step = 6 * C  # Λ, R, log d and (signed) their signs
+    return {"states": C * KT + C * VT + KT * VT + per_step,
+            "outputs": max(2 * C * KT, C * VT) + C * C + KT * VT + C * VT + per_step}
 
 
 def tiles(C: int, K: int, V: int, shared_bytes: int) -> tuple:
