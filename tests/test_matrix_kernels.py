@@ -31,7 +31,9 @@ def _tol(backend):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts the kernels' cores run, so a test knows the kernels (not MLX ops) ran."""
+    """Counts the kernels' cores run, so a test knows the kernels (not MLX ops) ran; the
+    kernels on for every backend (CUDA's default is MLX's matmuls)."""
+    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "1")
     calls = []
     core = mk.MatrixKernels.core
 
@@ -134,7 +136,7 @@ def test_exact_products_on_the_scalar_units(monkeypatch, kernel_calls):
     assert "simdgroup_multiply_accumulate" not in text
 
 
-def test_a_planted_error_in_the_matrix_products_is_caught():
+def test_a_planted_error_in_the_matrix_products_is_caught(kernel_calls):
     """The simulator's simdgroup matrices follow Metal's semantics: a product that loads B
     untransposed where it should transpose gives wrong readouts, and the comparison fails."""
     from mlx_recgen.render import dialects
@@ -168,3 +170,20 @@ def test_vector_decays_stay_in_mlx_ops(kernel_calls):
     a = rec(*inputs, backend="metal-sim", schedule="matrix")
     b = rec(*inputs, backend="mlx", schedule="matrix")
     assert mx.array_equal(a, b).item() and not kernel_calls
+
+
+def test_the_switch(monkeypatch, kernel_calls):
+    """``MLX_RECGEN_MATRIX_KERNELS``: 0 runs MLX ops (the same numbers as backend='mlx'),
+    anything but 0 or 1 is refused; unset, Metal runs the kernels and CUDA does not."""
+    mx.random.seed(7)
+    inputs, states = _draw("mamba2")
+    rec = rg.load_spec("mamba2")
+    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "0")
+    a = rec(*inputs, backend="metal-sim", schedule="matrix")
+    assert mx.array_equal(a, rec(*inputs, backend="mlx", schedule="matrix")).item()
+    assert not kernel_calls
+    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        rec(*inputs, backend="metal-sim", schedule="matrix")
+    monkeypatch.delenv("MLX_RECGEN_MATRIX_KERNELS")
+    assert mk.enabled("metal") and mk.enabled("metal-sim") and not mk.enabled("cuda")

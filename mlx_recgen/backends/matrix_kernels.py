@@ -32,6 +32,12 @@ from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 
+# Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
+# verifies is what a Mac runs); not on CUDA, where an H100 measured them slower than MLX's own
+# cuBLAS matmuls (GLA B8 H16 L4096 K=V=64 fp32 forward 4.0 against 3.3 ms;
+# benchmarks/results/bench-matrix-kernels-H100-2026-11-24.md). The environment variable
+# MLX_RECGEN_MATRIX_KERNELS=1 (or 0) turns them on (off) on every kernel backend.
+DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": False}
 KERNELS = ("states", "outputs", "adjoint")  # the adjoint: the states kernel walked newest first
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 
@@ -214,6 +220,15 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
 _BY_BACKEND: dict = {}
 
 
+def enabled(backend: str) -> bool:
+    """Whether the matrix form runs its kernels on ``backend`` (``DEFAULT_ON``, or the
+    environment's ``MLX_RECGEN_MATRIX_KERNELS``), read at each call."""
+    setting = os.environ.get("MLX_RECGEN_MATRIX_KERNELS", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"MLX_RECGEN_MATRIX_KERNELS must be 0 or 1, got {setting!r}")
+    return DEFAULT_ON.get(backend, False) if setting == "" else setting == "1"
+
+
 def matrix_kernels(backend: str) -> MatrixKernels:
     """The one ``MatrixKernels`` of a kernel backend."""
     if backend not in _BY_BACKEND:
@@ -221,4 +236,4 @@ def matrix_kernels(backend: str) -> MatrixKernels:
     return _BY_BACKEND[backend]
 
 
-__all__ = ["KERNELS", "MAX_CHUNK", "MatrixKernels", "kernel_chunk", "matrix_kernels", "matrix_source"]
+__all__ = ["DEFAULT_ON", "KERNELS", "enabled", "MAX_CHUNK", "MatrixKernels", "kernel_chunk", "matrix_kernels", "matrix_source"]

@@ -44,6 +44,7 @@ from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
+from .matrix_kernels import enabled as kernels_enabled
 from .matrix_kernels import kernel_chunk, matrix_kernels
 from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
 
@@ -204,6 +205,7 @@ class MatrixForm(SequentialForm):
         self.rec, self.table = rec, table
         self.form = form
         self.kernels = matrix_kernels(kernels) if kernels else None
+        self.kernel_backend = kernels
         ir = rec.ir
         exprs, self.layout = [], []  # layout: (what, state index, readout index, term index)
         by_group: dict = {}  # group axis -> (expressions, layout) of the factors of a group
@@ -412,10 +414,15 @@ class MatrixForm(SequentialForm):
         return outs, finals
 
     # -- the states the matrix kernels serve ----------------------------------------------------
+    def _kernels_on(self) -> bool:
+        """Whether this call runs the matrix kernels (``matrix_kernels.enabled``; part of the
+        keys of the compiled calls, so a change of the switch traces anew)."""
+        return self.kernels is not None and kernels_enabled(self.kernel_backend)
+
     def _kernel_core(self, st, S0, seg):
         """``(core, readout index)`` where the kernels run state ``st`` (a scalar decay, one
         added term, one readout, a tiling that fits group memory), else None."""
-        if self.kernels is None or st.vector_decay or len(st.terms) != 1:
+        if not self._kernels_on() or st.vector_decay or len(st.terms) != 1:
             return None
         reading = [i for i, ro in enumerate(self.form.readouts) if st.symbol in ro.coefficients]
         if len(reading) != 1:
@@ -511,7 +518,8 @@ class MatrixForm(SequentialForm):
         elementwise chains (an H100, GLA B8 H16 L4096: forward 4.9 -> 3.3 ms with the layout
         change). Not on the CPU, where the compiled call was slower (Mamba-2 B2 L256 H8
         N128 forward on 2 x86 cores: 54 against 41 ms)."""
-        key = (tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu)
+        key = (tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu,
+               self._kernels_on())
 
         def build():
             call = functools.partial(self._call_declared, key[0], seg)
@@ -529,7 +537,8 @@ class MatrixForm(SequentialForm):
         spec = self.rec.spec
         n_in, n_state = len(spec.inputs), len(spec.states)
         diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
-        key = ("vjp", tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu)
+        key = ("vjp", tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu,
+               self._kernels_on())
 
         def build():
             def vjp(*arrays):
