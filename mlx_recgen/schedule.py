@@ -1,6 +1,7 @@
 """Kernel schedules: how a call maps onto GPU threads, and the runtime values a kernel reads.
 
-Three kernel schedules, chosen in one place (``choose``; ``matrix`` runs MLX ops):
+Three kernel schedules, chosen in one place (``choose``; ``matrix`` runs MLX ops and, on the
+kernel backends, the chunk kernels of ``backends/matrix_kernels.py``):
 
 * ``sequential``: one thread per (instance, lane) walks all ``L`` steps, writing a checkpoint
   every ``seg`` steps; the backward walks segments newest first. Any recurrence.
