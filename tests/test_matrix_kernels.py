@@ -204,3 +204,32 @@ def test_forward_mode_and_second_order_through_the_kernels(kernel_calls):
         lambda g: mx.sum(f(sch, be)(g) ** 2))(g) ** 2))(g)
     assert rel_err(h("matrix", "metal-sim"), h("sequential", "mlx")) < 1e-4
     assert kernel_calls
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("kind", mk.KERNELS)
+def test_cuda_text_compiles(tmp_path, kind):
+    """The matrix kernels' CUDA text (the tensor-core MMA and the exact loop, signed or not)
+    compiles with nvcc for sm_90, MLX's device header replaced by the standard one."""
+    import os
+    import subprocess
+
+    for units in (True, False):
+        for signed in (False, True):
+            kernels = mk.MatrixKernels("cuda")
+            kernels.units = lambda: units
+            shape = kernels.shape(64, 64, 64, inclusive=signed, signed=signed)
+            _, ins, outs, body, header = mk.MatrixKernels._text(kernels.dialect, shape, kind)
+            from mlx_recgen.backends.kernels import _ArrayInfo
+            from mlx_recgen.backends.mlx_source import cuda_source
+
+            infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, 3) for n in ins]
+            text = cuda_source("k", ins, outs, body, header, infos, [mx.float32] * len(outs),
+                               [])[1]
+            text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
+                                "#include <cstdint>")
+            src = tmp_path / f"{kind}_{units}_{signed}.cu"
+            src.write_text(text)
+            res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",
+                                  os.devnull], capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr
