@@ -8,6 +8,11 @@ products, and a planted error in the matrix products that the comparison catches
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import subprocess
+
 import mlx.core as mx
 import pytest
 
@@ -132,31 +137,27 @@ def test_exact_products_on_the_scalar_units(monkeypatch, kernel_calls):
     _assert_matches(_run("mamba2", "metal-sim", 16), lambda i, s: _reference("mamba2", i, s),
                     inputs, states)
     assert kernel_calls and not kernel_calls[0].units
-    text = mk.matrix_source("outputs", "metal")  # units() is False here too
-    assert "simdgroup_multiply_accumulate" not in text
+    assert "simdgroup_multiply_accumulate" not in mk.matrix_source("outputs", "metal",
+                                                                  units=False)
+    assert "simdgroup_multiply_accumulate" in mk.matrix_source("outputs", "metal", units=True)
 
 
-def test_a_planted_error_in_the_matrix_products_is_caught(kernel_calls):
+def test_a_planted_error_in_the_matrix_products_is_caught(kernel_calls, monkeypatch):
     """The simulator's simdgroup matrices follow Metal's semantics: a product that loads B
     untransposed where it should transpose gives wrong readouts, and the comparison fails."""
-    from mlx_recgen.render import dialects
-
-    planted = dialects.METAL.matrix_prelude.replace("ulong2(j, k), TB)", "ulong2(j, k), false)")
-    assert planted != dialects.METAL.matrix_prelude
-    original = dialects.METAL.matrix_prelude
     kernels = mk.matrix_kernels("metal-sim")
-    built = kernels._kernels
-    object.__setattr__(dialects.METAL, "matrix_prelude", planted)  # a frozen dataclass
-    kernels._kernels = type(built)(4)  # kernels rendered with the planted error
-    try:
-        mx.random.seed(5)
-        inputs, states = _draw("retnet")
-        with pytest.raises(AssertionError):
-            _assert_matches(_run("retnet", "metal-sim", 16),
-                            lambda i, s: _reference("retnet", i, s), inputs, states)
-    finally:
-        object.__setattr__(dialects.METAL, "matrix_prelude", original)
-        kernels._kernels = built
+    prelude = kernels.dialect.matrix_prelude
+    planted = prelude.replace("ulong2(j, k), TB)", "ulong2(j, k), false)")
+    assert planted != prelude
+    monkeypatch.setattr(kernels, "dialect",
+                        dataclasses.replace(kernels.dialect, matrix_prelude=planted))
+    monkeypatch.setattr(kernels, "_kernels", type(kernels._kernels)(4))  # rendered anew
+    mx.random.seed(5)
+    inputs, states = _draw("retnet")
+    with pytest.raises(AssertionError):
+        _assert_matches(_run("retnet", "metal-sim", 16),
+                        lambda i, s: _reference("retnet", i, s), inputs, states)
+    assert kernel_calls
 
 
 def test_vector_decays_stay_in_mlx_ops(kernel_calls):
@@ -206,26 +207,14 @@ def test_forward_mode_and_second_order_through_the_kernels(kernel_calls):
     assert kernel_calls
 
 
-@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("kind", mk.KERNELS)
 def test_cuda_text_compiles(tmp_path, kind):
     """The matrix kernels' CUDA text (the tensor-core MMA and the exact loop, signed or not)
     compiles with nvcc for sm_90, MLX's device header replaced by the standard one."""
-    import os
-    import subprocess
-
     for units in (True, False):
         for signed in (False, True):
-            kernels = mk.MatrixKernels("cuda")
-            kernels.units = lambda: units
-            shape = kernels.shape(64, 64, 64, inclusive=signed, signed=signed)
-            _, ins, outs, body, header = mk.MatrixKernels._text(kernels.dialect, shape, kind)
-            from mlx_recgen.backends.kernels import _ArrayInfo
-            from mlx_recgen.backends.mlx_source import cuda_source
-
-            infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, 3) for n in ins]
-            text = cuda_source("k", ins, outs, body, header, infos, [mx.float32] * len(outs),
-                               [])[1]
+            text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units)
             text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
                                 "#include <cstdint>")
             src = tmp_path / f"{kind}_{units}_{signed}.cu"

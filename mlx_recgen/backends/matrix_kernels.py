@@ -1,12 +1,12 @@
 """The matrix schedule on the kernel backends: the chunk form of one state in generated kernels.
 
-For a state of the matrix form (``matrix.analyse``) with a scalar positive decay, one added
-term and one readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-step
-factors, ``(I, T, K)`` arrays ``c`` and ``a``, ``(I, T, V)`` ``b``, ``(I, T)`` ``log d`` and the
-initial state ``(I, K, V)``, giving the readouts ``y[t] = c[t] · S[t-1]`` (``· S[t]`` for a
-``decayed`` readout), the final state and the state entering every chunk. Everything else —
-the factors from the inputs, the per-step outputs from the readouts — stays MLX ops, so MLX
-differentiates it; the core's VJP is
+For a state of the matrix form (``matrix.analyse``) with a scalar decay, one added term and one
+readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-step factors,
+``(I, T, K)`` arrays ``c`` and ``a``, ``(I, T, V)`` ``b``, ``(I, T)`` ``log |d|`` and sign of
+``d`` (``±1``) and the initial state ``(I, K, V)``, giving the readouts
+``y[t] = c[t] · S[t-1]`` (``· S[t]`` for a ``decayed`` readout), the final state and the state
+entering every chunk. Everything else — the factors from the inputs, the per-step outputs from
+the readouts — stays MLX ops, so MLX differentiates it; the core's VJP is
 
 * the states kernel walked newest first: the gradient leaving each chunk (``G``) and ``dS0``;
 * per chunk, in MLX ops (batched matmuls): with ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``),
@@ -31,6 +31,7 @@ from ..render.dialects import DIALECTS
 from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
+from .matrix_chunks import MatrixChunks, causal, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
 # verifies is what a Mac runs); not on CUDA, where an H100 measured them slower than MLX's own
@@ -47,22 +48,8 @@ def kernel_chunk(seg: int) -> int:
     return min(MAX_CHUNK, -(-seg // 16) * 16)
 
 
-def _cut(x, C):
-    """``(I, T, X)`` -> ``(I, nc, C, X)``, zero-padded."""
-    I, T, X = x.shape
-    nc = -(-T // C)
-    if nc * C != T:
-        x = mx.pad(x, [(0, 0), (0, nc * C - T), (0, 0)])
-    return x.reshape(I, nc, C, X)
-
-
 def _signs(sign):
     return [] if sign is None else [sign]
-
-
-def _join(x, T):
-    I, nc, C, X = x.shape
-    return x.reshape(I, nc * C, X)[:, :T]
 
 
 class MatrixKernels:
@@ -166,19 +153,19 @@ class MatrixKernels:
     def _chunk_gradients(shape, c, a, b, log_d, sign, dy, starts, last, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
         (module docstring), as batched products over chunks."""
-        C, T = shape.C, c.shape[1]
-        cc, ac, bc, dyc = (_cut(x, C) for x in (c, a, b, dy))
-        lam = _cut(log_d[..., None], C)  # (I, nc, C, 1)
+        C = shape.C
+        chunks = MatrixChunks(c.shape[1], C, 1)
+        cc, ac, bc, dyc = (chunks.cut(x) for x in (c, a, b, dy))
+        lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
         cum = mx.cumsum(lam, axis=-2)
         row = cum if shape.inclusive else cum - lam
         whole = cum[..., -1:, :]
-        i = mx.arange(C)
-        causal = i[:, None] > i[None, :]
-        M = mx.where(causal, mx.exp(mx.where(causal, row - mx.swapaxes(cum, -1, -2), 0.0)), 0.0)
+        mask = causal(C)
+        M = mx.where(mask, mx.exp(mx.where(mask, row - mx.swapaxes(cum, -1, -2), 0.0)), 0.0)
         e_row, e_end = mx.exp(row), mx.exp(whole - cum)
         if sign is not None:  # the sign of d(j+1..t) is par_t par_j (running products)
-            sg = _cut(sign[..., None], C)
-            par = 1.0 - 2.0 * mx.remainder(mx.cumsum((sg < 0).astype(mx.float32), axis=-2), 2.0)
+            sg = chunks.cut(sign[..., None])
+            par = parity(sg, axis=-2)
             row_par = par if shape.inclusive else par * sg
             M = M * row_par * mx.swapaxes(par, -1, -2)
             e_row, e_end = e_row * row_par, e_end * par[..., -1:, :] * par
@@ -195,23 +182,27 @@ class MatrixKernels:
         d_whole = mx.sum(leaving * nxt, axis=(-2, -1))[..., None, None]
         d_lam = (mx.cumsum(d_cum, axis=-2, reverse=True)
                  + mx.cumsum(d_row, axis=-2, reverse=True, inclusive=shape.inclusive) + d_whole)
-        return _join(dc, T), _join(da, T), _join(db, T), _join(d_lam, T)[..., 0]
+        return chunks.join(dc), chunks.join(da), chunks.join(db), chunks.join(d_lam)[..., 0]
 
 
-def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False) -> str:
+def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False,
+                  signed=False, units=None) -> str:
     """The full text of a matrix kernel (``KERNELS``) as ``backend`` compiles it, MLX's
-    generated signature included, for a state of ``state_size`` x ``lanes``."""
+    generated signature included, for a state of ``state_size`` x ``lanes``; ``units``: the
+    products on the matrix units, or exact on the scalar units (None: as a call would)."""
     from .mlx_source import cuda_source, metal_source
     from .kernels import _ArrayInfo
 
     if backend not in ("metal", "cuda", "metal-sim"):
         raise ValueError(f"backend must be 'metal', 'metal-sim' or 'cuda', got {backend!r}")
     kernels = MatrixKernels(backend)
-    shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive)
+    if units is not None:
+        kernels.units = lambda: units
+    shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive, signed)
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
-    ranks = {"dims": 1, "log_d": 2, "init": 3, "states": 4}
+    ranks = {"dims": 1, "log_d": 2, "sign": 2, "init": 3, "states": 4}
     infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, ranks.get(n, 3)) for n in ins]
     build = cuda_source if backend == "cuda" else metal_source
     return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
@@ -236,4 +227,5 @@ def matrix_kernels(backend: str) -> MatrixKernels:
     return _BY_BACKEND[backend]
 
 
-__all__ = ["DEFAULT_ON", "KERNELS", "enabled", "MAX_CHUNK", "MatrixKernels", "kernel_chunk", "matrix_kernels", "matrix_source"]
+__all__ = ["DEFAULT_ON", "KERNELS", "MAX_CHUNK", "MatrixKernels", "enabled", "kernel_chunk",
+           "matrix_kernels", "matrix_source"]

@@ -74,5 +74,5 @@ class MLXBackend:
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
                  d_residuals=None, schedule="sequential", kernels=None):
-        return self.form(sizes, schedule, kernels).backward(inputs, states, residuals, d_outputs, d_finals,
-                                                   sizes, seg, d_residuals=d_residuals)
+        return self.form(sizes, schedule, kernels).backward(
+            inputs, states, residuals, d_outputs, d_finals, sizes, seg, d_residuals=d_residuals)

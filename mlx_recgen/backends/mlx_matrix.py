@@ -24,8 +24,8 @@ Every exponent is the sum of its own range of ``log |d|`` (a masked reverse cumu
 ``_between``), not a difference of two running sums, so it is as exact as the range allows;
 the excluded entries are masked to ``-inf`` before ``exp``, and for decays ``|d| ≤ 1`` no
 factor exceeds 1. A multiplier whose sign is not known symbolically carries its sign as a
-running parity of ``-1``s (``_parity``). A non-finite value spreads NaN over the products it
-enters (``0 · inf``), wider than in the sequential schedule: see docs/matrix.md.
+running parity of ``-1``s (``matrix_chunks.parity``). A non-finite value spreads NaN over the
+products it enters (``0 · inf``), wider than in the sequential schedule: see docs/matrix.md.
 
 Everything is MLX ops (``mx.matmul``: MLX's GEMM on every device), so the backward is MLX's
 VJP of the same computation, recomputed from the inputs (nothing is kept from the forward but
@@ -44,6 +44,7 @@ from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
+from .matrix_chunks import MatrixChunks, causal, parity
 from .matrix_kernels import enabled as kernels_enabled
 from .matrix_kernels import kernel_chunk, matrix_kernels
 from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
@@ -77,49 +78,15 @@ def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> 
     return Program(statements, frozenset(ir.vector))
 
 
-class MatrixChunks:
-    """Arrays ``(*batch, T, X)`` cut into chunks ``(*batch, nc, C, X)``, the time axis padded
-    with ``fill`` to a whole number of chunks."""
-
-    def __init__(self, T: int, C: int, nb: int):
-        self.T, self.C, self.nb = T, C, nb
-        self.nc = -(-T // C)
-
-    def cut(self, x, fill=0.0):
-        pad = self.nc * self.C - self.T
-        if pad:
-            widths = [(0, 0)] * x.ndim
-            widths[self.nb] = (0, pad)
-            x = mx.pad(x, widths, constant_values=fill)
-        return x.reshape(*x.shape[:self.nb], self.nc, self.C, x.shape[-1])
-
-    def join(self, x):
-        x = x.reshape(*x.shape[:self.nb], self.nc * self.C, x.shape[-1])
-        return x[(slice(None),) * self.nb + (slice(0, self.T),)]
-
-
-def _causal(C: int):
-    """``[C, C]``: ``t > j``."""
-    i = mx.arange(C)
-    return i[:, None] > i[None, :]
-
-
 def _between(log_d):
     """``exp(Σ_{j<s<t} log_d[s])`` for ``j < t``, else 0: ``(..., C, C, X)`` from
     ``(..., C, X)``. Each exponent is the sum of its own range (a reverse cumulative sum per
     row), not a difference of two long running sums, so it is as exact as the range allows."""
     C = log_d.shape[-2]
-    mask = _causal(C)[:, :, None]
+    mask = causal(C)[:, :, None]
     rows = mx.where(mask, log_d[..., None, :, :], 0.0)  # row t: log_d[s] for s < t
     sums = mx.cumsum(rows, axis=-2, reverse=True, inclusive=False)  # Σ_{j<s<t}
     return mx.where(mask, mx.exp(mx.where(mask, sums, -mx.inf)), 0.0)
-
-
-def _parity(sign, axis):
-    """The running product of ``±1`` along ``axis``, from the count of ``-1``s (MLX has no
-    forward-mode derivative of ``cumprod``; a sign has no derivative anyway)."""
-    flips = mx.cumsum(mx.stop_gradient(sign) < 0, axis=axis).astype(mx.float32)
-    return 1.0 - 2.0 * mx.remainder(flips, 2.0)
 
 
 def _carry(S0, whole, sign, U):
@@ -135,11 +102,11 @@ def _carry(S0, whole, sign, U):
     total = mx.exp(mx.sum(whole, axis=-2))
     if sign is not None:  # sign(d(c'+1..c-1)) = parity(..c-1) parity(..c')
         sign = sign[..., 0, :]
-        parity = _parity(sign, axis=-2)
-        parity_ex = parity * sign
-        U = U * parity[..., :, :, None]
-        before, after = before * parity_ex, after * parity[..., -1:, :]
-        total = total * parity[..., -1, :]
+        par = parity(sign, axis=-2)
+        parity_ex = par * sign
+        U = U * par[..., :, :, None]
+        before, after = before * parity_ex, after * par[..., -1:, :]
+        total = total * par[..., -1, :]
         weights = weights * parity_ex[..., :, None, :]
     if vector:  # a product per state element: K to the batch
         mixed = mx.swapaxes(mx.moveaxis(weights, -1, -3) @ mx.moveaxis(U, -2, -3), -3, -2)
@@ -205,7 +172,6 @@ class MatrixForm(SequentialForm):
         self.rec, self.table = rec, table
         self.form = form
         self.kernels = matrix_kernels(kernels) if kernels else None
-        self.kernel_backend = kernels
         ir = rec.ir
         exprs, self.layout = [], []  # layout: (what, state index, readout index, term index)
         by_group: dict = {}  # group axis -> (expressions, layout) of the factors of a group
@@ -339,7 +305,8 @@ class MatrixForm(SequentialForm):
         members = {g: _Members(spec.batch_axes.index(spec.groups[g]),
                                sizes[spec.groups[g]] // sizes[g]) for g in self.group_factors}
         chunks = MatrixChunks(T, seg, nb)
-        readouts, direct = {}, {}  # readouts by chunk (*batch, nc, C, V); from the kernels (*batch, T, V)
+        # readouts by chunk (*batch, nc, C, V), and those of the kernels' states (*batch, T, V)
+        readouts, direct = {}, {}
         finals = []
         for s, st in enumerate(self.form.states):
             S0 = self._state(states, st, sizes)  # (*batch, K, V)
@@ -364,7 +331,7 @@ class MatrixForm(SequentialForm):
             to_end = mx.exp(to_end)
             if not st.positive:
                 sg = chunks.cut(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0), 1.0)
-                sign = _parity(sg, axis=-2)
+                sign = parity(sg, axis=-2)
                 sign_ex, sign_end = sign * sg, sign[..., -1:, :]
                 to_end = to_end * sign * sign_end
             # the chunk's end state from its own inputs, and its decay over the whole chunk
@@ -417,7 +384,7 @@ class MatrixForm(SequentialForm):
     def _kernels_on(self) -> bool:
         """Whether this call runs the matrix kernels (``matrix_kernels.enabled``; part of the
         keys of the compiled calls, so a change of the switch traces anew)."""
-        return self.kernels is not None and kernels_enabled(self.kernel_backend)
+        return self.kernels is not None and kernels_enabled(self.kernels.backend)
 
     def _kernel_core(self, st, S0, seg):
         """``(core, readout index)`` where the kernels run state ``st`` (a scalar decay, one
@@ -567,4 +534,4 @@ class MatrixForm(SequentialForm):
         return grads, d_init
 
 
-__all__ = ["MatrixChunks", "MatrixForm", "SUB"]
+__all__ = ["MatrixForm", "SUB"]

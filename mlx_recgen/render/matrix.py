@@ -7,9 +7,9 @@ sizes and two flags, not from a spec:
 
 states   one threadgroup per (instance, K tile, V tile) walks the chunks in order, its tile of
          the state in group memory, and stores the state entering each chunk:
-         ``S <- exp(Λ_C) S + Xᵀ Y`` with ``X[j] = a[j] exp(Λ_C - Λ_j)``, ``Y = b``. Walked newest
-         first with ``X[j] = c[j] exp(R_j)``, ``Y = dy``, the same kernel carries the adjoint of
-         the states and stores the gradient leaving each chunk.
+         ``S <- exp(Λ_C) S + Xᵀ Y`` with ``X[j] = a[j] exp(Λ_C - Λ_j)``, ``Y = b``. Walked
+         newest first with ``X[j] = c[j] exp(R_j)``, ``Y = dy``, the same kernel carries the
+         adjoint of the states and stores the gradient leaving each chunk.
 outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_start) +
          (M ∘ (c @ aᵀ)) @ b`` with the causal decay weights ``M[t, j] = exp(R_t - Λ_j)``,
          ``j < t``.

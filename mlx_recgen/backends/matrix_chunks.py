@@ -1,0 +1,43 @@
+"""Chunks of the time axis, the pieces the matrix schedule's two forms share: its MLX ops
+(``mlx_matrix.py``) and its kernels' gradients (``matrix_kernels.py``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class MatrixChunks:
+    """Arrays ``(*batch, T, X)`` cut into chunks ``(*batch, nc, C, X)``, the time axis padded
+    with ``fill`` to a whole number of chunks."""
+
+    def __init__(self, T: int, C: int, nb: int):
+        self.T, self.C, self.nb = T, C, nb
+        self.nc = -(-T // C)
+
+    def cut(self, x, fill=0.0):
+        pad = self.nc * self.C - self.T
+        if pad:
+            widths = [(0, 0)] * x.ndim
+            widths[self.nb] = (0, pad)
+            x = mx.pad(x, widths, constant_values=fill)
+        return x.reshape(*x.shape[:self.nb], self.nc, self.C, x.shape[-1])
+
+    def join(self, x):
+        x = x.reshape(*x.shape[:self.nb], self.nc * self.C, x.shape[-1])
+        return x[(slice(None),) * self.nb + (slice(0, self.T),)]
+
+
+def causal(C: int):
+    """``[C, C]``: ``t > j``."""
+    i = mx.arange(C)
+    return i[:, None] > i[None, :]
+
+
+def parity(sign, axis):
+    """The running product of ``±1`` along ``axis``, from the count of ``-1``s (MLX has no
+    forward-mode derivative of ``cumprod``; a sign has no derivative anyway)."""
+    flips = mx.cumsum(mx.stop_gradient(sign) < 0, axis=axis).astype(mx.float32)
+    return 1.0 - 2.0 * mx.remainder(flips, 2.0)
+
+
+__all__ = ["MatrixChunks", "causal", "parity"]
