@@ -109,7 +109,10 @@ def test_a_readout_before_the_update(backend, kernel_calls):
     mx.random.seed(3)
     b, L, H, K, V = 2, 37, 2, 8, 8
     q, k, v = (mx.random.normal((b, L, H, n)) for n in (K, K, V))
-    g, S0 = mx.random.uniform(0.5, 1.0, (b, L, H)), mx.random.normal((b, H, K, V))
+    # a gate of both signs: its sign is carried apart from log |g|
+    g = mx.random.uniform(0.5, 1.0, (b, L, H)) * mx.where(mx.random.uniform(shape=(b, L, H)) < 0.5,
+                                                         -1.0, 1.0)
+    S0 = mx.random.normal((b, H, K, V))
 
     def ref(i, s):
         q, k, v, g = i
