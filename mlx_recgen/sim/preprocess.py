@@ -330,17 +330,12 @@ def _starts_expression(masked: str, pos: int) -> bool:
     """Is the identifier at ``pos`` (followed by ``[``) in an expression rather than the
     name of an array being declared?  When unsure, say no: an unmarked access only loses
     its line number, a marked declaration would not compile."""
-    j = pos - 1
-    while j >= 0 and masked[j] in " \t\r\n":
-        j -= 1
+    j = _last_non_space(masked, pos - 1)
     if j < 0:
         return True
     c = masked[j]
     if c.isalnum() or c == "_":
-        k = j
-        while k >= 0 and (masked[k].isalnum() or masked[k] == "_"):
-            k -= 1
-        return masked[k + 1:j + 1] in _EXPR_WORDS
+        return _word_ending_at(masked, j) in _EXPR_WORDS
     if c == ">":
         # `vec<float, 4> a[2]` declares; `x > a[i]` compares: a `<` right after a word,
         # in the same statement, makes it a template argument list
@@ -384,18 +379,28 @@ def _starts_expression(masked: str, pos: int) -> bool:
 def _opens_braced_list(masked: str, k: int) -> bool:
     """Does the ``{`` at ``k`` open an initialiser list (``= {``, ``f({``, ``float2{``) rather
     than a block?"""
-    j = k - 1
-    while j >= 0 and masked[j] in " \t\r\n":
-        j -= 1
+    j = _last_non_space(masked, k - 1)
     if j < 0:
         return False
     c = masked[j]
     if c.isalnum() or c == "_":
-        m = j
-        while m >= 0 and (masked[m].isalnum() or masked[m] == "_"):
-            m -= 1
-        return masked[m + 1:j + 1] not in {"else", "do", "try"}
+        return _word_ending_at(masked, j) not in {"else", "do", "try"}
     return c in "=(,>]"
+
+
+def _last_non_space(masked: str, j: int) -> int:
+    """The index of the last character at or before ``j`` that is not white space (-1: none)."""
+    while j >= 0 and masked[j] in " \t\r\n":
+        j -= 1
+    return j
+
+
+def _word_ending_at(masked: str, j: int) -> str:
+    """The identifier-like word whose last character is at ``j``."""
+    k = j
+    while k >= 0 and (masked[k].isalnum() or masked[k] == "_"):
+        k -= 1
+    return masked[k + 1:j + 1]
 
 
 def mark_subscript_lines(text: str) -> str:

@@ -1461,6 +1461,18 @@ inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(U value) {
   return m;
 }
 
+namespace sim_detail {
+// Where this lane's element k (of the two it holds) of an 8 x 8 matrix lives in memory, for
+// simdgroup_load and simdgroup_store (the layout below).
+inline int64_t sg_element_at(uint64_t origin_x, uint64_t origin_y, uint64_t elements_per_row,
+                             bool transpose, int k) {
+  int r, c;
+  sg_coord(my_lane(), r, c);
+  const int64_t ox = (int64_t)origin_x, oy = (int64_t)origin_y, ld = (int64_t)elements_per_row;
+  return transpose ? (ox + c + k) * ld + oy + r : (oy + r) * ld + ox + c + k;
+}
+}  // namespace sim_detail
+
 // Element (row, col) of the matrix lives in memory at
 //   src[(origin.y + row) * elements_per_row + origin.x + col]   (transpose = false)
 //   src[(origin.x + col) * elements_per_row + origin.y + row]   (transpose = true);
@@ -1471,12 +1483,9 @@ inline void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, P src, ulong elem
                            int line = __builtin_LINE(), int col = MSL_COLUMN()) {
   sim_detail::require_full_simdgroup("simdgroup_load");
   sim_detail::meet(sim_detail::kMatLoad, line, col);
-  int r, c;
-  sim_detail::sg_coord(sim_detail::my_lane(), r, c);
-  const int64_t ox = (int64_t)matrix_origin.x, oy = (int64_t)matrix_origin.y;
-  const int64_t ld = (int64_t)elements_per_row;
   for (int k = 0; k < 2; ++k) {
-    const int64_t at = transpose_matrix ? (ox + c + k) * ld + oy + r : (oy + r) * ld + ox + c + k;
+    const int64_t at = sim_detail::sg_element_at(matrix_origin.x, matrix_origin.y, elements_per_row,
+                                                 transpose_matrix, k);
     T v = ::msl::at_line(src, line)[at];
     d.elems[k] = v;
   }
@@ -1489,12 +1498,9 @@ inline void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, P dst,
                             int col = MSL_COLUMN()) {
   sim_detail::require_full_simdgroup("simdgroup_store");
   sim_detail::meet(sim_detail::kMatStore, line, col);
-  int r, c;
-  sim_detail::sg_coord(sim_detail::my_lane(), r, c);
-  const int64_t ox = (int64_t)matrix_origin.x, oy = (int64_t)matrix_origin.y;
-  const int64_t ld = (int64_t)elements_per_row;
   for (int k = 0; k < 2; ++k) {
-    const int64_t at = transpose_matrix ? (ox + c + k) * ld + oy + r : (oy + r) * ld + ox + c + k;
+    const int64_t at = sim_detail::sg_element_at(matrix_origin.x, matrix_origin.y, elements_per_row,
+                                                 transpose_matrix, k);
     ::msl::at_line(dst, line)[at] = a.elems[k];
   }
 }
