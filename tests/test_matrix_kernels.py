@@ -163,6 +163,22 @@ def test_a_planted_error_in_the_matrix_products_is_caught(kernel_calls, monkeypa
     assert kernel_calls
 
 
+def test_padded_rows_in_group_memory(kernel_calls, monkeypatch):
+    """CUDA pads the rows of the products' operands (``Dialect.matrix_pads``); the same padding
+    run through the simulator gives the papers' numbers (Metal itself pads nothing)."""
+    kernels = mk.matrix_kernels("metal-sim")
+    cuda_pads = mk.DIALECTS["cuda"].matrix_pads
+    assert cuda_pads != (0, 0)
+    monkeypatch.setattr(kernels, "dialect",
+                        dataclasses.replace(kernels.dialect, matrix_pads=cuda_pads))
+    monkeypatch.setattr(kernels, "_kernels", type(kernels._kernels)(4))
+    mx.random.seed(9)
+    inputs, states = _draw("retnet")
+    _assert_matches(_run("retnet", "metal-sim", 16), lambda i, s: _reference("retnet", i, s),
+                    inputs, states)
+    assert "LDX = 24" in mk.MatrixRenderer(kernels.dialect, kernel_calls[0]).states(False)
+
+
 def test_vector_decays_stay_in_mlx_ops(kernel_calls):
     """SSD's decay varies over the state axis: its chunk products stay MLX ops on every
     backend (same numbers as backend='mlx')."""

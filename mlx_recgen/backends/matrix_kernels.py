@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ..memo import LRU
 from ..render.dialects import DIALECTS
-from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, tiles
+from ..render.matrix import STATE_TILE, THREADS, MatrixKernelShape, MatrixRenderer, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, causal, parity
@@ -69,7 +69,7 @@ class MatrixKernels:
 
     def shape(self, C, K, V, inclusive, signed=False):
         """The kernels' shape for these sizes, or None where no tiling fits group memory."""
-        t = tiles(C, K, V, self.dialect.shared_bytes)
+        t = tiles(C, K, V, self.dialect.shared_bytes, self.dialect.matrix_pads)
         return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, self.units(),
                                                         signed)
 
@@ -107,7 +107,7 @@ class MatrixKernels:
         I, T, K = x.shape
         V = y.shape[-1]
         nc = -(-T // shape.C)
-        groups = I * -(-K // shape.KT) * -(-V // shape.VT)
+        groups = I * -(-K // STATE_TILE) * -(-V // STATE_TILE)
         return self._kernel(shape, "adjoint" if reverse else "states")(
             inputs=[x, y, log_d, *_signs(sign), init, mx.array([T], dtype=mx.int32)],
             grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

@@ -38,6 +38,9 @@ class Dialect:
     shared_pointer: str = ""
     shared_bytes: int = 32768
     matrix_prelude: str = ""
+    # floats added to the rows of the products' operands in group memory, against bank
+    # conflicts: (an operand read along its rows, one read down its columns)
+    matrix_pads: tuple = (0, 0)
 
 
 _COMMON_MATH = {
@@ -123,6 +126,9 @@ CUDA = Dialect(
     max_threads=256,
     shared_pointer="",
     shared_bytes=49152,  # static __shared__ arrays of one block
+    # a warp's fragment loads touch 8 rows x 4 columns (or 4 x 8): rows 4 (8) floats apart
+    # fall in 32 distinct banks
+    matrix_pads=(4, 8),
     matrix_prelude="""\
 // fp32 -> TF32 (round to nearest, ties away), the operand format of the fp32 tensor-core MMA
 __device__ inline unsigned recgen_tf32(float x) {
@@ -136,34 +142,53 @@ __device__ inline float recgen_at(const float* x, int ld, bool tr, int r, int c)
 }
 // D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in shared memory (row-major,
 // leading dimensions lda, ldb, ldd; op transposes where TA / TB), called by all ``threads`` of
-// the block (``tid``: this one): 16 x 8 tiles of D dealt to the warps in turn, each a chain of mma.sync m16n8k8 over K on the tensor cores, operands in TF32
+// the block (``tid``: this one): strips of 16 x 8 tiles of D dealt to the warps in turn, each a chain of mma.sync m16n8k8 over K on the tensor cores, operands in TF32
 // and accumulation in fp32 (sm_80 and later). Lane (g, t) = (lane / 4, lane % 4) holds A at
 // rows g, g + 8 and columns t, t + 4, B at rows t, t + 4 and column g, D at rows g, g + 8 and
 // columns 2t, 2t + 1 (PTX ISA, "Matrix Fragments for mma.m16n8k8").
 template <int M, int N, int K, bool TA, bool TB, bool ACC>
 __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, const float* B,
                                  int ldb, unsigned tid, unsigned threads) {
+  // a warp takes a strip of NB tiles side by side: A's fragment is loaded once for all of them
+  constexpr int NB = (N / 8) % 4 == 0 ? 4 : ((N / 8) % 2 == 0 ? 2 : 1);
+  constexpr int STRIPS = N / (8 * NB);
   const int lane = int(tid & 31u), g = lane >> 2, t = lane & 3;
-  for (unsigned tile = tid >> 5; tile < unsigned((M / 16) * (N / 8)); tile += threads >> 5) {
-    const int i = int(tile / (N / 8)) * 16, j = int(tile % (N / 8)) * 8;
-    float* d0 = D + (i + g) * ldd + j + 2 * t;
-    float* d1 = d0 + 8 * ldd;
-    float c0 = ACC ? d0[0] : 0.0f, c1 = ACC ? d0[1] : 0.0f;
-    float c2 = ACC ? d1[0] : 0.0f, c3 = ACC ? d1[1] : 0.0f;
+  for (unsigned strip = tid >> 5; strip < unsigned((M / 16) * STRIPS); strip += threads >> 5) {
+    const int i = int(strip / STRIPS) * 16, j0 = int(strip % STRIPS) * 8 * NB;
+    float c[NB][4];
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      const float* d0 = D + (i + g) * ldd + j0 + 8 * n + 2 * t;
+      c[n][0] = ACC ? d0[0] : 0.0f;
+      c[n][1] = ACC ? d0[1] : 0.0f;
+      c[n][2] = ACC ? d0[8 * ldd] : 0.0f;
+      c[n][3] = ACC ? d0[8 * ldd + 1] : 0.0f;
+    }
+#pragma unroll
     for (int k = 0; k < K; k += 8) {
       const unsigned a0 = recgen_tf32(recgen_at(A, lda, TA, i + g, k + t));
       const unsigned a1 = recgen_tf32(recgen_at(A, lda, TA, i + g + 8, k + t));
       const unsigned a2 = recgen_tf32(recgen_at(A, lda, TA, i + g, k + t + 4));
       const unsigned a3 = recgen_tf32(recgen_at(A, lda, TA, i + g + 8, k + t + 4));
-      const unsigned b0 = recgen_tf32(recgen_at(B, ldb, TB, k + t, j + g));
-      const unsigned b1 = recgen_tf32(recgen_at(B, ldb, TB, k + t + 4, j + g));
-      asm volatile(
-          "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-          "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
-          : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+        const unsigned b0 = recgen_tf32(recgen_at(B, ldb, TB, k + t, j0 + 8 * n + g));
+        const unsigned b1 = recgen_tf32(recgen_at(B, ldb, TB, k + t + 4, j0 + 8 * n + g));
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+            : "+f"(c[n][0]), "+f"(c[n][1]), "+f"(c[n][2]), "+f"(c[n][3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      }
     }
-    d0[0] = c0; d0[1] = c1; d1[0] = c2; d1[1] = c3;
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      float* d0 = D + (i + g) * ldd + j0 + 8 * n + 2 * t;
+      d0[0] = c[n][0];
+      d0[1] = c[n][1];
+      d0[8 * ldd] = c[n][2];
+      d0[8 * ldd + 1] = c[n][3];
+    }
   }
 }
 """,

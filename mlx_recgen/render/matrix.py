@@ -5,8 +5,9 @@ through ``matrix.analyse`` and are evaluated in MLX ops; what the kernels comput
 form itself, the same for every spec, so they are rendered from the chunk length, the state's
 sizes and two flags, not from a spec:
 
-states   one threadgroup per (instance, K tile, V tile) walks the chunks in order, its tile of
-         the state in group memory, and stores the state entering each chunk:
+states   one threadgroup per (instance, K tile, V tile; tiles of ``STATE_TILE``) walks the
+         chunks in order, its tile of the state in group memory, and stores the state entering
+         each chunk:
          ``S <- exp(Λ_C) S + Xᵀ Y`` with ``X[j] = a[j] exp(Λ_C - Λ_j)``, ``Y = b``. Walked
          newest first with ``X[j] = c[j] exp(R_j)``, ``Y = dy``, the same kernel carries the
          adjoint of the states and stores the gradient leaving each chunk.
@@ -32,25 +33,32 @@ from .kernels import environment
 
 THREADS = 128  # four simdgroups / warps per threadgroup
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
+# The states kernel's K and V tile: small, so that its threadgroups, which walk every chunk one
+# after another, are many (I x K/16 x V/16) and hide each other's latency
+STATE_TILE = 16
 
 
 def _padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def shared_floats(C: int, KT: int, VT: int) -> dict:
-    """Floats of group memory each kernel declares."""
-    per_step = 6 * C  # Λ, R, log d and (signed) their signs
-    return {"states": C * KT + C * VT + KT * VT + per_step,
-            "outputs": max(2 * C * KT, C * VT) + C * C + KT * VT + C * VT + per_step}
+def shared_floats(C: int, KT: int, VT: int, pads=(0, 0)) -> dict:
+    """Floats of group memory each kernel declares (the states kernel with its own tiles,
+    ``STATE_TILE``); ``pads``: ``Dialect.matrix_pads``."""
+    rows, cols = pads
+    per_step = 10 * C  # log d, two partial sums, Λ, R, and (signed) the same of the signs
+    ST = STATE_TILE
+    return {"states": C * (ST + cols) + C * (ST + cols) + ST * ST + per_step,
+            "outputs": max(2 * C * (KT + rows), C * (VT + cols)) + C * (C + rows)
+            + KT * (VT + cols) + C * VT + per_step}
 
 
-def tiles(C: int, K: int, V: int, shared_bytes: int) -> tuple:
-    """``(KT, VT)``: the largest tiles (V first: a wider V tile repeats less of ``c @ aᵀ``) whose
-    kernels fit ``shared_bytes`` of group memory, or None."""
+def tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
+    """``(KT, VT)``: the outputs kernel's largest tiles (V first: a wider V tile repeats less of
+    ``c @ aᵀ``) whose kernels fit ``shared_bytes`` of group memory, or None."""
     for VT in (v for v in TILE_SIZES if v <= _padded(V)):
         for KT in (k for k in TILE_SIZES if k <= _padded(K)):
-            if max(shared_floats(C, KT, VT).values()) * 4 <= shared_bytes:
+            if max(shared_floats(C, KT, VT, pads).values()) * 4 <= shared_bytes:
                 return KT, VT
     return None
 
@@ -78,19 +86,23 @@ class MatrixRenderer:
         self.d, self.shape = dialect, shape
 
     def _context(self, kind: str) -> dict:
-        s = self.shape
-        inclusive = s.inclusive
-        return dict(d=self.d, kind=kind, C=s.C, K=s.K, V=s.V, KT=s.KT, VT=s.VT, NT=THREADS,
-                    units=s.units, i64=self.d.int64, signed=s.signed, inclusive=inclusive,
-                    tiles=max(2 * s.C * s.KT, s.C * s.VT),
-                    row_exponent="s" if inclusive else "before",
-                    row_doc="Λ_t" if inclusive else "Λ_t - log d_t")
+        s, (rows, cols) = self.shape, self.d.matrix_pads
+        states = kind in ("states", "adjoint")
+        KT, VT = (STATE_TILE, STATE_TILE) if states else (s.KT, s.VT)
+        return dict(d=self.d, kind=kind, C=s.C, K=s.K, V=s.V, KT=KT, VT=VT, NT=THREADS,
+                    units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
+                    LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
+                    LDC=KT + rows, LDW=s.C + rows, LDS=VT + cols, LDB=VT + cols,
+                    tiles=max(2 * s.C * (KT + rows), s.C * (VT + cols)),
+                    row_exponent="s" if s.inclusive else "before",
+                    row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t")
 
     def header(self, kind: str) -> str:
         return environment().get_template("matrix_header.j2").render(**self._context(kind))
 
     def states(self, reverse: bool) -> str:
-        ctx, s, exp = self._context("states"), self.shape, self.d.math["exp"]
+        ctx = self._context("adjoint" if reverse else "states")
+        s, exp = self.shape, self.d.math["exp"]
         if reverse:
             ctx.update(reverse=True, x_doc="c[j] exp(R_j)", y_doc="dy[j]",
                        x_scale=("row_par[j] * " if s.signed else "") + f"{exp}(row[j])")
@@ -104,4 +116,5 @@ class MatrixRenderer:
         return environment().get_template("matrix_outputs.j2").render(**self._context("outputs"))
 
 
-__all__ = ["MatrixKernelShape", "MatrixRenderer", "THREADS", "shared_floats", "tiles"]
+__all__ = ["MatrixKernelShape", "MatrixRenderer", "STATE_TILE", "THREADS", "shared_floats",
+           "tiles"]
