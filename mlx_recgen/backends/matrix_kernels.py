@@ -34,8 +34,8 @@ from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, causal, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
-# verifies is what a Mac runs); not on CUDA, where an H100 measured them slower than MLX's own
-# cuBLAS matmuls (GLA B8 H16 L4096 K=V=64 fp32 forward 4.0 against 3.3 ms;
+# verifies is what a Mac runs); not on CUDA, where on an H100 they are no faster than MLX's own
+# cuBLAS matmuls yet (GLA B8 H16 L4096 K=V=64 fp32 forward+backward 11.5 ms either way;
 # benchmarks/results/bench-matrix-kernels-H100-2026-11-24.md). The environment variable
 # MLX_RECGEN_MATRIX_KERNELS=1 (or 0) turns them on (off) on every kernel backend.
 DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": False}
