@@ -32,10 +32,17 @@ here; the carry's ``apply`` in the backends), each IEEE's product but for one ru
 * a summary counts where an infinite multiplier met its zero state (``zero_hit``): from a zero
   segment start the sequential steps meet ``inf * 0`` there, and the carry gives NaN.
 
+The scan schedule composes the same maps in a tree instead of a chain; a composed map's count
+of zero hits is the later map's where the earlier one leaves a zero start at zero.
+
 What remains different from the sequential steps: a product that overflows applied to a tiny
 state is infinite here where the sequential steps may stay finite; in a ``K x K`` block, an
 infinite multiplier distributed over the block's entries (``a cos u - a sin w``) may be
-``inf - inf`` where the step's own expression (``a (cos u - sin w)``) is infinite.
+``inf - inf`` where the step's own expression (``a (cos u - sin w)``) is infinite; likewise an
+infinite gate that meets an already infinite state multiplies the state's two parts apart
+(``inf * (P h + l)`` becomes ``inf * P h + inf * l``), which is ``inf - inf`` where the local
+part ``l`` has the other sign. Each of these gives NaN where the sequential steps give an
+infinity, never a finite number.
 """
 
 from __future__ import annotations

@@ -330,8 +330,8 @@ def scan_run(spec: Spec) -> int:
 
 def scan_map_floats(form) -> int:
     """Floats of one affine map of a lane (the scan composes them): per block of ``K`` slots
-    ``K x K`` multiplier entries and ``K`` offsets."""
-    return sum(b.size * b.size + b.size for b in form.blocks)
+    ``K x K`` multiplier entries, ``K`` offsets and a count of zero hits (``affine.zero_hit``)."""
+    return sum(b.size * b.size + b.size + 1 for b in form.blocks)
 
 
 def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,

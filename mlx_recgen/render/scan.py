@@ -59,49 +59,69 @@ class ScanRenderer(KernelRenderer):
             ids.add(("hist", self.spec.symbols[s]), f"{self.spec.symbols[s]}_hist")
 
     # -- maps ------------------------------------------------------------------------------------
-    def fields(self) -> list:
-        """The fields of a map, in their order in threadgroup memory."""
+    def fields(self, hits: bool = True) -> list:
+        """The fields of a map, in their order in threadgroup memory; with ``hits``, a count
+        of zero hits per block last (the forward maps only, see ``_compose``)."""
         out = []
         for b, block in enumerate(self.form.blocks):
             out += [f"a{b}_{i}{k}" for i in range(block.size) for k in range(block.size)]
-        return out + [f"v{k}" for k in range(len(self.slots))]
+        out += [f"v{k}" for k in range(len(self.slots))]
+        return out + ([f"z{b}" for b in range(len(self.form.blocks))] if hits else [])
 
     def _blocks(self):
         """(block index, size, the slots' indices in ``self.slots``) of each block."""
         return [(b, block.size, [self.slots.index(s) for s in block.slots])
                 for b, block in enumerate(self.form.blocks)]
 
-    def _compose(self, dst, x, y) -> list:
+    def _compose(self, dst, x, y, hits: bool) -> list:
         """``dst = x ∘ y`` (``y`` first): ``A = A_x A_y``, ``v = A_x v_y + v_x``; ``x`` and ``y``
-        map a field to a C expression, ``dst`` is a prefix of registers."""
+        map a field to a C expression, ``dst`` is a prefix of registers.
+
+        The products are the chunked schedule's (``affine.py``): ``recgen_compose`` for
+        multipliers, ``recgen_apply`` for a multiplier on an offset (a zero offset is no term,
+        whatever overflowed). With ``hits``, the count of zero hits from a zero start: ``y``'s,
+        and ``x``'s where ``y`` leaves a zero start at zero (its offsets all zero)."""
         lines, assign = [], []
         for b, size, idx in self._blocks():
             for i in range(size):
                 for k in range(size):
-                    terms = " + ".join(f"{x(f'a{b}_{i}{m}')} * {y(f'a{b}_{m}{k}')}"
+                    terms = " + ".join(f"recgen_compose({x(f'a{b}_{i}{m}')}, {y(f'a{b}_{m}{k}')})"
                                        for m in range(size))
                     lines.append(f"const float c_a{b}_{i}{k} = {terms};")
                     assign.append(f"{dst}_a{b}_{i}{k} = c_a{b}_{i}{k};")
-                terms = " + ".join(f"{x(f'a{b}_{i}{m}')} * {y(f'v{idx[m]}')}" for m in range(size))
+                terms = " + ".join(f"recgen_apply({x(f'a{b}_{i}{m}')}, {y(f'v{idx[m]}')})"
+                                   for m in range(size))
                 lines.append(f"const float c_v{idx[i]} = {terms} + {x(f'v{idx[i]}')};")
                 assign.append(f"{dst}_v{idx[i]} = c_v{idx[i]};")
+            if hits:
+                zero = " && ".join(f"{y(f'v{k}')} == 0.0f" for k in idx)
+                lines.append(f"const float c_z{b} = {y(f'z{b}')} + ({zero} ? {x(f'z{b}')} : 0.0f);")
+                assign.append(f"{dst}_z{b} = c_z{b};")
         return ["{", *("  " + x for x in lines + assign), "}"]
 
-    def _apply(self, m, src, dst) -> list:
+    def _apply(self, m, src, dst, hits: bool) -> list:
         """``dst = m(src)``: ``h_i <- Σ_k A_ik h_k + v_i`` per block; ``src`` and ``dst`` list
-        a C lvalue per slot (they may be the same registers)."""
+        a C lvalue per slot (they may be the same registers). With ``hits``, a block whose
+        ``src`` is all zero where the map counts zero hits is NaN: the sequential steps met
+        ``inf * 0`` there."""
         lines, assign = [], []
         for b, size, idx in self._blocks():
+            met = ""
+            if hits:
+                zero = " && ".join(f"{src[k]} == 0.0f" for k in idx)
+                lines.append(f"const bool met_inf_zero_{b} = {zero} && {m(f'z{b}')} != 0.0f;")
+                met = f"met_inf_zero_{b} ? {self.d.nan} : "
             for i in range(size):
-                terms = " + ".join(f"{m(f'a{b}_{i}{k}')} * {src[idx[k]]}" for k in range(size))
-                lines.append(f"const float n_{idx[i]} = {terms} + {m(f'v{idx[i]}')};")
+                terms = " + ".join(f"recgen_apply({m(f'a{b}_{i}{k}')}, {src[idx[k]]})"
+                                   for k in range(size))
+                lines.append(f"const float n_{idx[i]} = {met}{terms} + {m(f'v{idx[i]}')};")
                 assign.append(f"{dst[idx[i]]} = n_{idx[i]};")
         return ["{", *("  " + x for x in lines + assign), "}"]
 
-    def _pass(self, own: dict, pass_index: int) -> dict:
+    def _pass(self, own: dict, pass_index: int, hits: bool) -> dict:
         """Context of one composition pass (``scan_pass.j2``) over the maps ``own`` (field ->
-        C expression of this thread's run map)."""
-        fields = self.fields()
+        C expression of this thread's run map); ``hits``: the maps count zero hits (forward)."""
+        fields = self.fields(hits)
         reg = lambda prefix: (lambda f: f"{prefix}_{f}")  # noqa: E731
         def shared(f, g="g"):
             return f"totals[(({pass_index} * SIMDS + {g}) * MAPF + {fields.index(f)}) * LB + lb]"
@@ -112,17 +132,17 @@ class ScanRenderer(KernelRenderer):
         shuffle = [f"const float Q_{f} = {self.d.simd_shuffle_xor}(T_{f}, mask);" for f in fields]
         # a partner earlier in the pass's order: E <- E ∘ Q, T <- T ∘ Q; later: T <- Q ∘ T
         butterfly = (shuffle + ["if (earlier) {"]
-                     + ["  " + x for x in self._compose("E", reg("E"), reg("Q"))]
-                     + ["  " + x for x in self._compose("T", reg("T"), reg("Q"))]
+                     + ["  " + x for x in self._compose("E", reg("E"), reg("Q"), hits)]
+                     + ["  " + x for x in self._compose("T", reg("T"), reg("Q"), hits)]
                      + ["} else {"]
-                     + ["  " + x for x in self._compose("T", reg("Q"), reg("T"))] + ["}"])
+                     + ["  " + x for x in self._compose("T", reg("Q"), reg("T"), hits)] + ["}"])
         publish = [f"{shared(f, 'int(simd_group)')} = T_{f};" for f in fields]
         carry = [f"carry_{k}" for k in range(len(self.slots))]
         start = [f"start_{k}" for k in range(len(self.slots))]
         return dict(index=pass_index, declare=declare, butterfly=butterfly, publish=publish,
                     starts=start, pairs=list(zip(carry, start)),
-                    advance=self._apply(shared, carry, carry),
-                    enter=self._apply(reg("E"), start, self._registers()))
+                    advance=self._apply(shared, carry, carry, hits),
+                    enter=self._apply(reg("E"), start, self._registers(), hits))
 
     def _registers(self) -> list:
         """The state register of every slot (forward: the state; backward: ``λ``)."""
@@ -167,7 +187,7 @@ class ScanRenderer(KernelRenderer):
                  for p in self.products]
         own = {}
         for p in self.products:
-            own[f"a{p.block}_{p.row}{p.col}"] = regs[p.slot]
+            own[f"z{p.block}" if p.hits else f"a{p.block}_{p.row}{p.col}"] = regs[p.slot]
         for k, s in enumerate(self.slots):
             own[f"v{k}"] = regs[s]
         return dict(init=init, loads=writer.step_loads(program, "        "),
@@ -204,7 +224,7 @@ class ScanRenderer(KernelRenderer):
 
         ctx = self._context("forward")
         # stretches alternate between two buffers of totals: one barrier per stretch
-        ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, "int(k & 1)"),
+        ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, "int(k & 1)", hits=True),
                    loads=writer.step_loads(prog, "        "),
                    step=writer.program(prog, route, "        "))
         return environment().get_template("scan_forward.j2").render(**ctx)
@@ -256,16 +276,18 @@ class ScanRenderer(KernelRenderer):
         # the adjoint map of a run: λ_end -> Pᵀ λ_end + local
         lam_own = {}
         for p in self.products:
+            if p.hits:
+                continue
             lam_own[f"a{p.block}_{p.col}{p.row}"] = nm[("state", p.symbol)]
         for k, s in enumerate(self.slots):
             lam_own[f"v{k}"] = lam_regs[s]
-        lam_pass = self._pass(lam_own, 1)
+        lam_pass = self._pass(lam_own, 1, hits=False)
         lam_pass["enter"] = self._apply(lambda f: f"E_{f}", lam_pass["starts"],
-                                        [lam_regs[s] for s in self.slots])
+                                        [lam_regs[s] for s in self.slots], hits=False)
         ctx = self._context("backward")
         for st, s in zip(ctx["scan_states"], self.slots):
             st["lam"] = lam_regs[s]
-        ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, 0),
+        ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, 0, hits=True),
                    lambda_pass=lam_pass, grad_bases=grad_bases, accumulators=accumulators,
                    recompute_loads=writer.step_loads(recompute, "        "),
                    recompute=writer.program(recompute, _commit_state(spec, nm), "        "),
