@@ -281,14 +281,22 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
 # The scan schedule (docs/scan.md): a threadgroup owns LB lanes of one instance and walks all
 # of time in stretches of TG / LB threads x RUN steps. Lane blocks narrow from 32 to
 # SCAN_MIN_LANE_BLOCK lanes while instances x blocks give fewer than SCAN_TARGET_GROUPS groups
-# (a block of 8 fp32 lanes is one 32-byte sector per step).
+# (a block of 8 fp32 lanes is one 32-byte sector per step). Groups of SCAN_THREADS threads
+# halve (to SCAN_MIN_THREADS) where that brings the call within SCAN_TARGET_THREADS threads,
+# about what an H100 holds at once at the kernels' ~120 registers a thread (two groups of 256
+# per SM), so the groups run in one wave instead of a second, mostly empty one (RG-LRU B3 D768
+# L2048: 288 groups; forward 43 -> 36 us, backward 90 -> 56 us in groups of 128).
 SCAN_THREADS = 256
+SCAN_MIN_THREADS = 128
+SCAN_TARGET_THREADS = 1 << 16
 SCAN_TARGET_GROUPS = 256
 SCAN_MIN_LANE_BLOCK = 8
-# A thread keeps its run's inputs, cotangents and recomputed states in registers: RUN x the
-# floats per step up to this many; RUN at most SCAN_MAX_RUN.
+# A thread keeps its run's inputs (twice: the next stretch's are loaded ahead), cotangents and
+# recomputed states in registers: RUN x the floats per step up to this many; RUN at most
+# SCAN_MAX_RUN (runs of 16 took ~160 registers, one group of 256 per H100 SM, and were
+# slower than runs of 8: RG-LRU B8 D1024 L4096 fp32 forward 221 against 152 us).
 SCAN_RUN_FLOATS = 64
-SCAN_MAX_RUN = 16
+SCAN_MAX_RUN = 8
 SCAN_MAX_BLOCK = 4  # the largest multiplier block (K x K) the scan composes
 
 
@@ -337,7 +345,8 @@ def scan_map_floats(form) -> int:
 def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
                        max_threads: int = MAX_THREADS, map_floats: int = 2) -> Schedule:
     """The scan schedule of a call: ``run`` steps per thread, ``threads`` per group (chosen:
-    ``SCAN_THREADS``, at most ``max_threads``, halved until the two buffers of simdgroup totals,
+    ``SCAN_THREADS``, at most ``max_threads``, halved (to ``SCAN_MIN_THREADS``) where that
+    brings the call's threads within ``SCAN_TARGET_THREADS``, and until the two buffers of simdgroup totals,
     ``2 x TG / 32 x map_floats x LB`` floats, fit in threadgroup memory), lane blocks narrowed
     as ``SCAN_TARGET_GROUPS`` asks; ``seg`` is the stretch ``threads / LB * run``."""
     if threads is None:
@@ -353,6 +362,11 @@ def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
     while block > SCAN_MIN_LANE_BLOCK and instances * -(-sizes[spec.lane] // block) \
             < SCAN_TARGET_GROUPS:
         block //= 2
+    groups, fit = instances * -(-sizes[spec.lane] // block), tg
+    while fit > SCAN_MIN_THREADS and groups * fit > SCAN_TARGET_THREADS:
+        fit //= 2
+    if threads is None and groups * fit <= SCAN_TARGET_THREADS:  # else several waves anyway
+        tg = fit
     while 2 * (tg // 32) * map_floats * block > MAX_SHARED_FLOATS:
         if threads is not None:
             raise ValueError(f"{spec.name}: threads={threads} needs more than {MAX_SHARED_BYTES} "

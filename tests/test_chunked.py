@@ -9,7 +9,7 @@ import pytest
 
 import mlx_recgen as rg
 from mlx_recgen import scans
-from conftest import rel_err
+from conftest import KERNEL_BACKENDS, rel_err
 from references import INPUTS, REFERENCES
 
 F32 = mx.float32
@@ -210,7 +210,7 @@ NONFINITE_RUNS = [(n, c, "chunked") for n, c in NONFINITE]
 NONFINITE_RUNS += [(n, c, "scan") for n, c in NONFINITE if n != "gla"]
 
 
-@pytest.mark.parametrize("backend", ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)])
+@pytest.mark.parametrize("backend", ["mlx", *KERNEL_BACKENDS])
 @pytest.mark.parametrize("name,case,schedule", NONFINITE_RUNS,
                          ids=[f"{s}-{n}-{c}" for n, c, s in NONFINITE_RUNS])
 def test_nonfinite_inputs_give_the_sequential_result(backend, name, case, schedule):

@@ -166,7 +166,7 @@ def test_scan_is_a_schedule_auto_does_not_pick():
     rec = rg.load_spec("rglru")
     for backend in ("cuda", "metal", "mlx"):
         assert choose(rec, {"B": 8, "L": 4096, "D": 1024}, "auto", None, backend)[0] != "scan"
-    assert choose(rec, {"B": 8, "L": 4096, "D": 1024}, "scan", None, "cuda") == ("scan", 16)
+    assert choose(rec, {"B": 8, "L": 4096, "D": 1024}, "scan", None, "cuda") == ("scan", 8)
     assert choose(rec, {"B": 1, "L": 3, "D": 8}, "scan", 8, "metal")[1] == 3
 
 
@@ -200,6 +200,17 @@ def test_scan_lane_blocks_narrow_for_few_instances():
     assert few.seg == 256 // 16 * 16  # the stretch: time-threads x run
     fewer = make_scan_schedule(spec, {"B": 3, "L": 64, "D": 768}, 16)
     assert fewer.lane_block == 8 and fewer.groups_per_instance == 96
+
+
+def test_scan_groups_halve_to_run_in_one_wave():
+    """Groups of 256 threads halve where groups of 128 keep the call within
+    ``SCAN_TARGET_THREADS``; where no size down to ``SCAN_MIN_THREADS`` does, they stay."""
+    spec = rg.load_spec("rglru").spec
+    assert make_scan_schedule(spec, {"B": 8, "L": 64, "D": 1024}, 8).threads == 256  # 2^16
+    b3 = make_scan_schedule(spec, {"B": 3, "L": 64, "D": 768}, 8)  # 288 groups
+    assert (b3.threads, b3.lane_block, b3.seg) == (128, 8, 128)
+    assert make_scan_schedule(spec, {"B": 16, "L": 64, "D": 2048}, 8).threads == 256
+    assert make_scan_schedule(spec, {"B": 3, "L": 64, "D": 768}, 8, threads=256).threads == 256
 
 
 def test_scan_totals_fit_in_threadgroup_memory():
