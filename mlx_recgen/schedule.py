@@ -229,6 +229,7 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     call makes every output of its chunk products NaN where the sequential schedule keeps the
     outputs before it (docs/matrix.md); on the CPU it is the fastest pure-MLX form (a Mamba-2
     model's training step 1.02 s against 1.98 s sequential, ``benchmarks/bench_models.py``).
+    ``matrix`` on a call of one step runs what ``auto`` picks.
     ``chunked`` on a recurrence that is not state-affine, and ``matrix`` on one without the
     matrix form (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
     interval, which is also the chunk length) is chosen when not given; it may exceed ``L``.
@@ -259,7 +260,12 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         if not rec.matrix.applies:
             raise ValueError(f"{spec.name}(): schedule='matrix' needs the matrix form, and "
                              f"{rec.matrix.reason}; use schedule='chunked' or 'sequential'")
-        return "matrix", min(seg or MATRIX_CHUNK, L)
+        if L > 1:
+            return "matrix", min(seg or MATRIX_CHUNK, L)
+        # one step has no product for a matrix unit: a decode step under
+        # patch(schedule="matrix") takes what auto picks, the decode path or the sequential
+        # kernel (a Mamba-2 model on an H100: 23.5 ms a token as a chunk of one, 8.0 ms)
+        requested = "auto"
     kind = requested
     if requested == "auto":
         chunk = seg or (chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))

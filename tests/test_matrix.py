@@ -12,6 +12,7 @@ import pytest
 
 import mlx_recgen as rg
 from conftest import rel_err
+from mlx_recgen.schedule import choose
 from references import ZOO_REFERENCES, gla_ref, ssd_ref
 from test_zoo import _draw, _from_spec, _reference, _to_spec, _values_and_grads
 
@@ -240,6 +241,35 @@ def test_reruns_are_bit_identical_and_other_backends_run_the_same_ops():
     assert mx.array_equal(a, c).item()
     with pytest.raises(ValueError, match="not schedule='matrix'"):
         rec(*inputs, backend="metal-sim", schedule="matrix", threads=64)
+
+
+@pytest.mark.parametrize("backend", ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)])
+def test_one_step_runs_what_auto_picks(backend):
+    """A decode step (L = 1) asked for as ``matrix`` runs what ``auto`` picks there (the decode
+    path, the sequential kernel): the same state and outputs, bit for bit, and gradients."""
+    mx.random.seed(7)
+    inputs = _ssd_inputs(2, 1, 3, 4, 8)
+    h0 = mx.random.normal((2, 3, 4, 8))
+    rec = rg.load_spec("ssd")
+    assert choose(rec, {"B": 2, "L": 1, "H": 3, "P": 4, "N": 8}, "matrix", None, backend)[0] \
+        != "matrix"
+    assert choose(rec, {"B": 2, "L": 2, "H": 3, "P": 4, "N": 8}, "matrix", None, backend)[0] \
+        == "matrix"
+
+    def run(schedule, h=h0):
+        return rec(*inputs, initial_state=h, return_state=True, backend=backend,
+                   schedule=schedule)
+
+    for a, b in zip(run("matrix"), run("auto")):
+        assert mx.array_equal(a, b).item()
+
+    def grad(schedule):
+        return mx.grad(lambda h: sum(mx.sum(o * o) for o in run(schedule, h)))(h0)
+
+    ref = mx.grad(lambda h: sum(mx.sum(o * o) for o in
+                                rec.reference(*inputs, initial_state=h,
+                                              return_state=True)))(h0)
+    assert rel_err(grad("matrix"), ref) < TOL
 
 
 def test_forward_mode_and_second_order():
