@@ -216,22 +216,6 @@ class compose(sympy.Function):
             return m
 
 
-class unusual(sympy.Function):
-    """1 where a multiplier ``m`` lies outside ``[1 / bound, bound]`` in magnitude (zero,
-    infinite and NaN included), else 0: a run of steps whose multipliers are all usual composes
-    with IEEE's products exactly as with ``scale`` and ``compose`` (see
-    ``plain_summary_program``). Rendered ``recgen_unusual``."""
-
-    nargs = 2
-
-    @classmethod
-    def eval(cls, m, bound):
-        if m.is_Number and bound.is_Number:
-            if m is sympy.nan or not m.is_finite:
-                return sympy.S.One
-            return sympy.S.Zero if 1 / bound <= abs(m) <= bound else sympy.S.One
-
-
 @dataclass(frozen=True)
 class ProductEntry:
     """Entry (row, col) of block ``block``'s composed multiplier, and the symbol that holds it.
@@ -316,29 +300,6 @@ def summary_program(ir: StepIR, form: AffineForm, products: list) -> Program:
     return schedule_forward(_summary_ir(ir, products, _summary_updates(ir, form, products)))
 
 
-def plain_summary_program(ir: StepIR, form: AffineForm, products: list, run: int):
-    """The summary step with IEEE's products, for runs of at most ``run`` steps, or None where a
-    block has more than one slot. Its stores are the summary's: the state update as the step
-    writes it, ``P <- M P``, and under each block's hits slot a count of steps whose multiplier
-    is ``unusual`` (outside ``[2^-e, 2^e]``, ``e = 120 // run``). Where that count is 0 over a
-    run, no product formed can overflow, underflow, or meet an infinite or NaN multiplier, so
-    every value equals what ``summary_program`` gives (but the sign of a zero) and the run has
-    no zero hits; otherwise the run is summarised again with ``summary_program``."""
-    if any(block.size > 1 for block in form.blocks):
-        return None
-    bound = sympy.Integer(2) ** (120 // max(1, run))
-    spec = ir.spec
-    entry = {(p.block, p.row, p.col): p for p in products}
-    new_state = {}
-    for b, block in enumerate(form.blocks):
-        (slot,), ((m,),) = block.slots, block.multiplier
-        new_state[slot] = ir.new_state[slot]
-        product, hits = entry[(b, 0, 0)], entry[(b, 1, 0)]
-        new_state[product.slot] = m * product.symbol
-        new_state[hits.slot] = hits.symbol + unusual(m, bound)
-    return schedule_forward(_summary_ir(ir, products, new_state))
-
-
 def step_maps_program(ir: StepIR, form: AffineForm, products: list) -> Program:
     """Every step's own map: the summary step from a zero state and the identity product,
     symbolically, so its stores are the offset ``F(0)`` (under the state's slots) and the
@@ -406,5 +367,5 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
 
 
 __all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse", "compose",
-           "outputs_of_updated_state", "plain_summary_program", "product_entries", "scale",
-           "segment_summary", "step_maps_program", "summary_program", "unusual", "zero_hit"]
+           "outputs_of_updated_state", "product_entries", "scale", "segment_summary",
+           "step_maps_program", "summary_program", "zero_hit"]

@@ -243,21 +243,3 @@ def test_scan_cuda_text_compiles(tmp_path, kernel, dtype):
         res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src),
                               "-o", os.devnull], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
-
-
-def test_plain_summary_counts_unusual_multipliers():
-    """``affine.plain_summary_program``: IEEE's products for scalar blocks, a count of
-    multipliers outside ``[2^-e, 2^e]`` (``e = 120 // run``) under the hits slot; none for a
-    2x2 block (its products may cancel)."""
-    import sympy
-    from mlx_recgen.affine import plain_summary_program, unusual
-
-    bound = sympy.Integer(2) ** 15
-    assert [unusual(sympy.Float(v), bound) for v in (0.5, 2.0 ** -15, 2.0 ** 15)] == [0, 0, 0]
-    assert all(unusual(v, bound) == 1 for v in (sympy.S.Zero, sympy.Float(2.0 ** -16),
-                                                sympy.Float(-2.0 ** 16), sympy.oo, sympy.nan))
-    rec = rg.load_spec("rglru")
-    text = plain_summary_program(rec.ir, rec.affine, list(rec.segment_summary.products), 8).text()
-    assert "a*h + x" in text and "unusual(a, 32768)" in text and "scale" not in text
-    rot = rg.load_spec("rotlru")
-    assert plain_summary_program(rot.ir, rot.affine, list(rot.segment_summary.products), 4) is None

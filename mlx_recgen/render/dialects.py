@@ -48,7 +48,7 @@ _COMMON_MATH = {
     "cosh": "cosh", "sinh": "sinh", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
     "abs": "abs", "sign": "sign", "log1p": "recgen_log1p", "sigmoid": "recgen_sigmoid",
     "softplus": "recgen_softplus", "max": "max", "scale": "recgen_scale",
-    "compose": "recgen_compose", "zero_hit": "recgen_zero_hit", "unusual": "recgen_unusual",
+    "compose": "recgen_compose", "zero_hit": "recgen_zero_hit",
 }
 
 METAL = Dialect(
@@ -195,8 +195,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
           "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus",
-          "scale": "recgen_scale", "compose": "recgen_compose", "zero_hit": "recgen_zero_hit",
-          "unusual": "recgen_unusual"},
+          "scale": "recgen_scale", "compose": "recgen_compose", "zero_hit": "recgen_zero_hit"},
     prelude="""\
 // Every lane of the warp takes part (full mask): padded lanes contribute zeros.
 __device__ inline float recgen_shuffle_xor(float x, int mask) {

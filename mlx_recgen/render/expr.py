@@ -15,7 +15,7 @@ import struct
 import sympy
 from sympy.codegen.cfunctions import log1p
 
-from ..affine import compose, scale, unusual, zero_hit
+from ..affine import compose, scale, zero_hit
 from ..functions import sigmoid, softplus
 
 ATOM, MUL, ADD = 3, 2, 1  # binding strength of what a printed piece is
@@ -26,7 +26,7 @@ FUNCTION_NAMES = {
     sympy.cos: "cos", sympy.tan: "tan", sympy.cosh: "cosh", sympy.sinh: "sinh",
     sympy.Abs: "abs", sympy.sign: "sign", sigmoid: "sigmoid", softplus: "softplus",
     # the chunked schedule's products (``affine``)
-    scale: "scale", compose: "compose", zero_hit: "zero_hit", unusual: "unusual",
+    scale: "scale", compose: "compose", zero_hit: "zero_hit",
 }
 
 _RELATIONS = {sympy.StrictGreaterThan: ">", sympy.GreaterThan: ">=", sympy.StrictLessThan: "<",

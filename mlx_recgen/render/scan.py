@@ -31,7 +31,6 @@ state slot ``k`` its offset ``v<k>``. Threadgroup memory holds two passes' total
 
 from __future__ import annotations
 
-from ..affine import plain_summary_program
 from ..ir import free_symbols, prune
 from ..schedule import SEGMENTS
 from ..spec import Slot
@@ -169,41 +168,30 @@ class ScanRenderer(KernelRenderer):
         return writer, runs
 
     def _summary(self, writer):
-        """Lines of the run summary: registers from zero / the identity, one step, and the
-        plain step (``affine.plain_summary_program``: IEEE's products, its hits slots counting
-        unusual multipliers) where the blocks allow it, else None."""
+        """Lines of the run summary: registers from zero / the identity, and one step."""
         spec, nm = self.spec, self.names
         program = self.rec.segment_summary.program
-        plain = plain_summary_program(self.rec.ir, self.form, list(self.products),
-                                      self.schedule.run)
         regs = {s: nm[("state", spec.symbols[s])] for s in self.slots}
         for p in self.products:
             regs[p.slot] = nm[("state", p.symbol)]
             writer.names[p.symbol] = regs[p.slot]
-        for prog in (program, plain) if plain else (program,):
-            for sym in program_symbols(prog):
-                if sym not in writer.names:
-                    writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
+        for sym in program_symbols(program):
+            if sym not in writer.names:
+                writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
 
         def route(store, value, in_loop, pad):
             return [], [f"{pad}{regs[store.slot]} = {value};"]
 
-        def lines(prog):
-            return dict(loads=writer.step_loads(prog, "        "),
-                        step=writer.program(prog, route, "        "))
-
         init = [f"{regs[s]} = 0.0f;" for s in self.slots]
-        init += [f"{regs[p.slot]} = {'1.0f' if p.row == p.col else '0.0f'};"
+        init += [f"float {regs[p.slot]} = {'1.0f' if p.row == p.col else '0.0f'};"
                  for p in self.products]
         own = {}
         for p in self.products:
             own[f"z{p.block}" if p.hits else f"a{p.block}_{p.row}{p.col}"] = regs[p.slot]
         for k, s in enumerate(self.slots):
             own[f"v{k}"] = regs[s]
-        hits = " + ".join(regs[p.slot] for p in self.products if p.hits)
-        summary = dict(init=init, registers=[regs[p.slot] for p in self.products], hits=hits,
-                       plain=lines(plain) if plain else None, **lines(program))
-        return summary, own
+        return dict(init=init, loads=writer.step_loads(program, "        "),
+                    step=writer.program(program, route, "        ")), own
 
     def _states(self):
         spec, nm = self.spec, self.names
