@@ -20,7 +20,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .backends.kernels import CHUNKED_KERNELS, SEQUENTIAL_KERNELS
+from .backends.kernels import CHUNKED_KERNELS, SCAN_KERNELS, SEQUENTIAL_KERNELS
+from .backends.matrix_kernels import KERNELS as MATRIX_KERNELS
+from .backends.matrix_kernels import spec_matrix_source
 from .function import BACKENDS, positive_int, require_backend
 from .specs import list_specs, load_spec
 
@@ -305,11 +307,14 @@ def _parser():
     s = sub.add_parser("show", help="print a generated kernel")
     s.add_argument("spec")
     s.add_argument("--kernel", default="forward",
-                   choices=[*SEQUENTIAL_KERNELS, *CHUNKED_KERNELS],
-                   help="forward/backward (sequential schedule) or one of the chunked schedule's "
-                        f"kernels: {', '.join(CHUNKED_KERNELS)}")
-    s.add_argument("--schedule", choices=["sequential", "chunked"], default=None,
-                   help="default: chunked for the chunked schedule's kernels, else sequential")
+                   choices=list(dict.fromkeys([*SEQUENTIAL_KERNELS, *CHUNKED_KERNELS,
+                                               *SCAN_KERNELS, *MATRIX_KERNELS])),
+                   help="forward/backward (the sequential and scan schedules), one of the "
+                        f"chunked schedule's kernels ({', '.join(CHUNKED_KERNELS)}) or of the "
+                        f"matrix schedule's ({', '.join(MATRIX_KERNELS)})")
+    s.add_argument("--schedule", choices=["sequential", "chunked", "scan", "matrix"],
+                   default=None, help="default: the schedule whose kernel --kernel names "
+                                      "(sequential for forward/backward)")
     s.add_argument("--backend", choices=["metal", "metal-sim", "cuda", "mlx"], default="metal",
                    help="metal-sim prints the Metal text (the simulator runs it as it is)")
     s.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
@@ -343,11 +348,18 @@ def _run(args):
         backend, why = resolve_backend(args.backend, default="metal-sim")
     rec = _load(args.spec)
     if args.cmd == "show":
-        schedule = args.schedule or ("chunked" if args.kernel in CHUNKED_KERNELS else "sequential")
-        if args.backend == "mlx" and schedule == "chunked":
-            raise ValueError("the chunked schedule's kernels are rendered for metal or cuda")
-        options = {} if args.backend == "mlx" else {"schedule": schedule}
+        schedule = args.schedule or ("chunked" if args.kernel in CHUNKED_KERNELS else
+                                     "matrix" if args.kernel in MATRIX_KERNELS else "sequential")
+        if args.backend == "mlx" and schedule != "sequential":
+            raise ValueError(f"the {schedule} schedule's kernels are rendered for metal or cuda")
         backend = "metal" if args.backend == "metal-sim" else args.backend
+        if schedule == "matrix":
+            if args.kernel not in MATRIX_KERNELS:
+                raise ValueError(f"the matrix schedule's kernels are {MATRIX_KERNELS}, "
+                                 f"got {args.kernel!r}")
+            print(spec_matrix_source(rec, args.kernel, backend, seg=args.seg))
+            return 0
+        options = {} if args.backend == "mlx" else {"schedule": schedule}
         print(rec.source(args.kernel, backend=backend, dtype=getattr(mx, args.dtype),
                          seg=args.seg, **options))
         return 0

@@ -93,6 +93,28 @@ def test_show_prints_the_chunked_kernels(capsys, kernel):
     assert ("element" if "carry" in kernel else "segment") in out
 
 
+def test_show_prints_the_scan_and_matrix_kernels(capsys):
+    """``--schedule scan`` prints the scan kernels (``rec.source``); the matrix kernels print with
+    the spec's readout kind and decay sign (``matrix_kernels.spec_matrix_source``), and specs the
+    kernels do not serve are refused with the reason."""
+    rc, out, _ = _main(capsys, "show", "rglru", "--schedule", "scan", "--backend", "metal")
+    assert rc == 0 and "simd_shuffle_xor" in out and "recgen_rglru_forward" in out
+    rc, out, _ = _main(capsys, "show", "rglru", "--schedule", "scan", "--kernel", "backward",
+                       "--backend", "cuda")
+    assert rc == 0 and "recgen_rglru_backward" in out
+    for kernel in ("states", "outputs", "adjoint"):
+        rc, out, _ = _main(capsys, "show", "gla", "--schedule", "matrix", "--kernel", kernel)
+        assert rc == 0 and "simdgroup_multiply_accumulate" in out, kernel
+    rc, out, _ = _main(capsys, "show", "gla", "--kernel", "states", "--backend", "cuda")
+    assert rc == 0 and "mma.sync" in out
+    for argv, message in [(("ssd", "--kernel", "states"), "scalar decay"),
+                          (("rglru", "--kernel", "states"), "no matrix form"),
+                          (("gla", "--schedule", "scan"), "no scan kernels"),
+                          (("rglru", "--schedule", "scan", "--kernel", "states"), "scan schedule's")]:
+        rc, out, err = _main(capsys, "show", *argv)
+        assert rc == 1 and message in err, (argv, err)
+
+
 def test_spec_file_in_a_directory_named_with_a_colon(capsys, tmp_path):
     """A ':' in a directory's name belongs to the path; ``path.py:name`` still names a
     recurrence."""

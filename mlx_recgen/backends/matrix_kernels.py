@@ -208,6 +208,33 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
 
 
+def kernel_flags(form, st):
+    """``(readout index, inclusive, signed)`` where the kernels serve state ``st`` of the matrix
+    form ``form`` (a scalar decay, one added term, one readout), else None."""
+    if st.vector_decay or len(st.terms) != 1:
+        return None
+    reading = [i for i, ro in enumerate(form.readouts) if st.symbol in ro.coefficients]
+    if len(reading) != 1:
+        return None
+    i, = reading
+    return i, st.symbol in form.readouts[i].decayed, not st.positive
+
+
+def spec_matrix_source(rec, kind, backend, seg=64, state_size=64, lanes=64) -> str:
+    """The matrix kernel ``kind`` for the first state of ``rec`` that the kernels serve (its
+    readout kind and decay sign), as ``matrix_source`` renders it."""
+    form = rec.matrix
+    if not form.applies:
+        raise ValueError(f"{rec.name} has no matrix form: {form.reason}")
+    for st in form.states:
+        flags = kernel_flags(form, st)
+        if flags is not None:
+            return matrix_source(kind, backend, seg, state_size, lanes, flags[1], flags[2])
+    raise ValueError(f"{rec.name}: no state of its matrix form runs on the matrix kernels (they "
+                     "take a scalar decay, one added term and one readout); its products run "
+                     "as MLX matmuls")
+
+
 _BY_BACKEND: dict = {}
 
 

@@ -46,7 +46,7 @@ from ..render.mlx_ops import render_mlx
 from ..spec import Slot
 from .matrix_chunks import MatrixChunks, causal, parity
 from .matrix_kernels import enabled as kernels_enabled
-from .matrix_kernels import kernel_chunk, matrix_kernels
+from .matrix_kernels import kernel_chunk, kernel_flags, matrix_kernels
 from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
 
 LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
@@ -389,15 +389,12 @@ class MatrixForm(SequentialForm):
     def _kernel_core(self, st, S0, seg):
         """``(core, readout index)`` where the kernels run state ``st`` (a scalar decay, one
         added term, one readout, a tiling that fits group memory), else None."""
-        if not self._kernels_on() or st.vector_decay or len(st.terms) != 1:
+        flags = kernel_flags(self.form, st) if self._kernels_on() else None
+        if flags is None:
             return None
-        reading = [i for i, ro in enumerate(self.form.readouts) if st.symbol in ro.coefficients]
-        if len(reading) != 1:
-            return None
-        i, = reading
+        i, inclusive, signed = flags
         K, V = S0.shape[-2:]
-        shape = self.kernels.shape(kernel_chunk(seg), K, V,
-                                   st.symbol in self.form.readouts[i].decayed, not st.positive)
+        shape = self.kernels.shape(kernel_chunk(seg), K, V, inclusive, signed)
         return None if shape is None else (self.kernels.core(shape), i)
 
     def _run_core(self, core, st, s, i, f, members, S0):
