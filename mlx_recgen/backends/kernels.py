@@ -49,7 +49,7 @@ from ..render.chunked import ChunkedRenderer
 from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
-from ..render.scan import ScanRenderer, grad_type_name
+from ..render.scan import ScanRenderer, grad_type_name, run_type_name
 from ..schedule import (MetaLayout, history_rows, make_scan_schedule, make_schedule,
                         scan_map_floats, scan_misfit, scan_run)
 
@@ -407,7 +407,9 @@ class ScanPasses:
         n_out, n_state = len(spec.outputs), len(spec.states)
         results = b.kernel("forward", sch, dtypes)(
             inputs=[*map(_as_buffer, inputs), *states, b._meta(sizes, sch)],
-            template=[*sch.template(), ("OutT", out_dtype)], grid=grid, threadgroup=group,
+            template=[*sch.template(), ("OutT", out_dtype),
+                      *self.run_template([x.dtype for x in inputs])],
+            grid=grid, threadgroup=group,
             output_shapes=shapes,
             output_dtypes=[out_dtype] * n_out + [mx.float32] * (2 * n_state))
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
@@ -426,8 +428,10 @@ class ScanPasses:
         results = b.kernel("backward", sch, dtypes)(
             inputs=[*map(_as_buffer, inputs), *ckpts, *d_outputs,
                     *[g.astype(mx.float32) for g in d_finals], b._meta(sizes, sch)],
-            template=[*sch.template(), *self.grad_template(grad_dtypes)], grid=grid,
-            threadgroup=group, output_shapes=shapes,
+            template=[*sch.template(), *self.grad_template(grad_dtypes),
+                      *self.run_template([x.dtype for x in inputs],
+                                         [d.dtype for d in d_outputs])],
+            grid=grid, threadgroup=group, output_shapes=shapes,
             output_dtypes=grad_dtypes + [mx.float32] * (len(shapes) - len(grad_dtypes)))
         n_in = len(_differentiable(spec))
         grads = b._finish_grads(inputs, results[:n_in], sizes, sch)
@@ -444,6 +448,14 @@ class ScanPasses:
     @staticmethod
     def grad_template(grad_dtypes) -> list:
         return [(grad_type_name(i), d) for i, d in enumerate(grad_dtypes)]
+
+    def run_template(self, input_dtypes, cotangent_dtypes=()) -> list:
+        """The run registers' types (``run_type_name``): the dtype of each input with the time
+        axis, and of each output's cotangent."""
+        inputs = self.backend.rec.spec.inputs.values()
+        return ([(run_type_name(i), d) for i, (t, d) in enumerate(zip(inputs, input_dtypes))
+                 if t.has_time]
+                + [(run_type_name(j, cotangent=True), d) for j, d in enumerate(cotangent_dtypes)])
 
 
 def _differentiable(spec) -> dict:
@@ -525,6 +537,9 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16,
     outputs = {ids["buffer", t] for t in spec.outputs}
     out_dtypes = [dtype if n in outputs else mx.float32 for n in names.outputs]
     template = sch.template()
+    if schedule == "scan":
+        cotangents = [dtype] * len(spec.outputs) if kind == "backward" else []
+        template = [*template, *impl.scan.run_template(list(dtypes.values()), cotangents)]
     if schedule == "scan" and kind == "backward":
         grad_dtypes = impl.scan.grad_dtypes(dtypes, sizes, sch)
         out_dtypes[:len(grad_dtypes)] = grad_dtypes

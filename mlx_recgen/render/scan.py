@@ -44,6 +44,13 @@ def grad_type_name(index: int) -> str:
     return f"GradT{index}"
 
 
+def run_type_name(index: int, cotangent: bool = False) -> str:
+    """The template type of the run registers of the ``index``-th input (``cotangent``: of the
+    ``index``-th output's cotangent): its buffer's own dtype, so that a load a stretch ahead
+    writes its register without waiting for the value (a conversion would wait)."""
+    return f"RunD{index}" if cotangent else f"RunT{index}"
+
+
 class ScanRenderer(KernelRenderer):
     """Template contexts of the scan schedule's two kernels."""
 
@@ -159,11 +166,15 @@ class ScanRenderer(KernelRenderer):
         timeless = {sym for slot, sym in spec.symbols.items()
                     if slot.tensor in spec.inputs and not spec.inputs[slot.tensor].has_time}
         read = set().union(*(free_symbols(p.statements) for p in programs))
+        types = {sym: run_type_name(list(spec.inputs).index(slot.tensor))
+                 for slot, sym in spec.symbols.items() if slot.tensor in spec.inputs}
+        types.update({sym: run_type_name(list(spec.outputs).index(slot.tensor), cotangent=True)
+                      for slot, sym in self.rec.adjoint.output_cotangents.items()})
         runs = []
         for sym in sorted((set(writer.scalar_loads) & read) - timeless, key=str):
             source, _ = writer.scalar_loads[sym]
             reg = nm.ids.add(("run", sym), f"{sym}_run")
-            runs.append(dict(reg=reg, source=source, sym=sym))
+            runs.append(dict(reg=reg, source=source, sym=sym, type=types[sym]))
             writer.scalar_loads[sym] = (f"{reg}[r]", None)
         return writer, runs
 
@@ -297,4 +308,4 @@ class ScanRenderer(KernelRenderer):
                    step=writer.program(adj.program, route, "        "))
         return environment().get_template("scan_backward.j2").render(**ctx)
 
-__all__ = ["ScanRenderer", "grad_type_name"]
+__all__ = ["ScanRenderer", "grad_type_name", "run_type_name"]
