@@ -95,6 +95,26 @@ class _Buffers:
     outputs: list
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """A kernel call's arguments that the call's shape decides (schedule, kernel, grid, output
+    shapes and dtypes, template, runtime values): worked out once per call shape
+    (``KernelBackend.launch``), so a call passes only its arrays."""
+
+    kernel: object
+    meta: mx.array
+    template: list
+    grid: tuple
+    group: tuple
+    shapes: list
+    dtypes: list
+
+    def __call__(self, buffers):
+        return self.kernel(inputs=[*buffers, self.meta], template=self.template, grid=self.grid,
+                           threadgroup=self.group, output_shapes=self.shapes,
+                           output_dtypes=self.dtypes)
+
+
 class KernelBackend:
     """Runs a recurrence with generated kernels on one of the kernel backends."""
 
@@ -108,6 +128,7 @@ class KernelBackend:
         self._kernels = LRU(KERNELS_KEPT)  # (kind, schedule, dtypes) -> compiled kernel
         self._schedules = LRU(SHAPES_KEPT)  # (sizes, seg, threads, kind, split, sweep) -> Schedule
         self._metas = LRU(SHAPES_KEPT)  # (sizes, schedule) -> the runtime-values array
+        self._launches = LRU(SHAPES_KEPT)  # (pass, sizes, options, dtypes) -> _Launch
         self.scan = ScanPasses(self)
 
     # -- names -----------------------------------------------------------------------------------
@@ -209,6 +230,17 @@ class KernelBackend:
                              "(2^31); split the batch")
         return instances, (total, 1, 1), (schedule.threads, 1, 1)
 
+    def forget_shapes(self):
+        """Drop what was worked out per call shape (schedules, runtime values, launches): after
+        a change of the schedule's constants, the next calls choose again."""
+        for memo in (self._schedules, self._metas, self._launches):
+            memo.clear()
+
+    def launch(self, key: tuple, sizes: dict, build) -> _Launch:
+        """The memoised ``_Launch`` of a pass: ``key`` names the pass and everything besides
+        ``sizes`` that decides it (options, dtypes); ``build()`` makes it."""
+        return self._launches.get_or_build((*key, *sorted(sizes.items())), build)
+
     def _meta(self, sizes, schedule):
         key = (tuple(sorted(sizes.items())), schedule)
         return self._metas.get_or_build(key, lambda: mx.array(self.meta.values(sizes, schedule),
@@ -273,19 +305,22 @@ class KernelBackend:
         if schedule == "chunked":
             return self._forward_chunked(inputs, states, sizes, seg, out_dtype, threads, split)
         spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads, split=split)
-        instances, grid, group = self._launch(sizes, sch)
-        dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
-        kernel = self.kernel("forward", sch, dtypes)
-        inputs = [_as_buffer(x) for x in inputs]
-        shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
-        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
-        shapes += [self._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
+
+        def build():
+            sch = self._schedule(sizes, seg, threads, split=split)
+            instances, grid, group = self._launch(sizes, sch)
+            dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
+                      + f" -> {_dtype_name(out_dtype)}")
+            shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
+            shapes += [declared_shape(t, sizes) for t in spec.states.values()]
+            shapes += [self._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
+            out_dtypes = [out_dtype] * len(spec.outputs) + [mx.float32] * (2 * len(spec.states))
+            return _Launch(self.kernel("forward", sch, dtypes), self._meta(sizes, sch),
+                           [*sch.template(), ("OutT", out_dtype)], grid, group, shapes, out_dtypes)
+
+        key = ("forward", seg, threads, split, out_dtype, *(x.dtype for x in inputs))
+        results = self.launch(key, sizes, build)([*map(_as_buffer, inputs), *states])
         n_out, n_state = len(spec.outputs), len(spec.states)
-        dtypes_out = [out_dtype] * n_out + [mx.float32] * (2 * n_state)
-        results = kernel(inputs=[*inputs, *states, self._meta(sizes, sch)],
-                         template=[*sch.template(), ("OutT", out_dtype)], grid=grid,
-                         threadgroup=group, output_shapes=shapes, output_dtypes=dtypes_out)
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
                 list(results[n_out + n_state:]))
 
@@ -299,18 +334,22 @@ class KernelBackend:
                                           seg, threads, split)
         spec = self.rec.spec
         sch = self._schedule(sizes, seg, threads, split=split, sweep="backward")
-        instances, grid, group = self._launch(sizes, sch)
-        dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
-        kernel = self.kernel("backward", sch, dtypes)
-        shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
-        shapes += self._d_init_shapes(sizes)
-        if sch.history == "scratch":
-            shapes.append((sch.seg * history_rows(spec, sch.state_size // sch.parts) * instances
-                           * sch.groups_per_instance * sch.threads,))
-        results = kernel(inputs=[*map(_as_buffer, inputs), *residuals, *d_outputs,
-                                 *[g.astype(mx.float32) for g in d_finals], self._meta(sizes, sch)],
-                         template=sch.template(), grid=grid, threadgroup=group,
-                         output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes))
+
+        def build():
+            instances, grid, group = self._launch(sizes, sch)
+            dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+            shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+            shapes += self._d_init_shapes(sizes)
+            if sch.history == "scratch":
+                shapes.append((sch.seg * history_rows(spec, sch.state_size // sch.parts)
+                               * instances * sch.groups_per_instance * sch.threads,))
+            return _Launch(self.kernel("backward", sch, dtypes), self._meta(sizes, sch),
+                           sch.template(), grid, group, shapes, [mx.float32] * len(shapes))
+
+        key = ("backward", seg, threads, split, *(x.dtype for x in [*inputs, *d_outputs]))
+        results = self.launch(key, sizes, build)(
+            [*map(_as_buffer, inputs), *residuals, *d_outputs,
+             *[g.astype(mx.float32) for g in d_finals]])
         n_in = len(_differentiable(spec))
         grads = self._finish_grads(inputs, results[:n_in], sizes, sch)
         return grads, self._finish_d_init(results[n_in:n_in + len(spec.states)], states)
@@ -398,20 +437,24 @@ class ScanPasses:
     def forward(self, inputs, states, sizes, run, out_dtype, threads=None):
         """(outputs, final states, checkpoints)."""
         b, spec = self.backend, self.backend.rec.spec
-        sch = self.schedule(sizes, run, threads)
-        instances, grid, group = b._launch(sizes, sch)
-        dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs) + f" -> {_dtype_name(out_dtype)}"
-        shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
-        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
-        shapes += [b._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
+
+        def build():
+            sch = self.schedule(sizes, run, threads)
+            instances, grid, group = b._launch(sizes, sch)
+            dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
+                      + f" -> {_dtype_name(out_dtype)}")
+            shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
+            shapes += [declared_shape(t, sizes) for t in spec.states.values()]
+            shapes += [b._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
+            template = [*sch.template(), ("OutT", out_dtype),
+                        *self.run_template([x.dtype for x in inputs])]
+            out_dtypes = [out_dtype] * len(spec.outputs) + [mx.float32] * (2 * len(spec.states))
+            return _Launch(b.kernel("forward", sch, dtypes), b._meta(sizes, sch), template,
+                           grid, group, shapes, out_dtypes)
+
+        key = ("scan forward", run, threads, out_dtype, *(x.dtype for x in inputs))
+        results = b.launch(key, sizes, build)([*map(_as_buffer, inputs), *states])
         n_out, n_state = len(spec.outputs), len(spec.states)
-        results = b.kernel("forward", sch, dtypes)(
-            inputs=[*map(_as_buffer, inputs), *states, b._meta(sizes, sch)],
-            template=[*sch.template(), ("OutT", out_dtype),
-                      *self.run_template([x.dtype for x in inputs])],
-            grid=grid, threadgroup=group,
-            output_shapes=shapes,
-            output_dtypes=[out_dtype] * n_out + [mx.float32] * (2 * n_state))
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
                 list(results[n_out + n_state:]))
 
@@ -419,20 +462,25 @@ class ScanPasses:
         """(gradients of the differentiable inputs, gradients of the initial states)."""
         b, spec = self.backend, self.backend.rec.spec
         sch = self.schedule(sizes, run, threads)
-        _, grid, group = b._launch(sizes, sch)
-        dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
-        shapes = [b.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
-        shapes += b._d_init_shapes(sizes)
-        grad_dtypes = self.grad_dtypes({n: x.dtype for n, x in zip(spec.inputs, inputs)},
-                                       sizes, sch)
-        results = b.kernel("backward", sch, dtypes)(
-            inputs=[*map(_as_buffer, inputs), *ckpts, *d_outputs,
-                    *[g.astype(mx.float32) for g in d_finals], b._meta(sizes, sch)],
-            template=[*sch.template(), *self.grad_template(grad_dtypes),
-                      *self.run_template([x.dtype for x in inputs],
-                                         [d.dtype for d in d_outputs])],
-            grid=grid, threadgroup=group, output_shapes=shapes,
-            output_dtypes=grad_dtypes + [mx.float32] * (len(shapes) - len(grad_dtypes)))
+
+        def build():
+            _, grid, group = b._launch(sizes, sch)
+            dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+            shapes = [b.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+            shapes += b._d_init_shapes(sizes)
+            grad_dtypes = self.grad_dtypes({n: x.dtype for n, x in zip(spec.inputs, inputs)},
+                                           sizes, sch)
+            template = [*sch.template(), *self.grad_template(grad_dtypes),
+                        *self.run_template([x.dtype for x in inputs],
+                                           [d.dtype for d in d_outputs])]
+            out_dtypes = grad_dtypes + [mx.float32] * (len(shapes) - len(grad_dtypes))
+            return _Launch(b.kernel("backward", sch, dtypes), b._meta(sizes, sch), template,
+                           grid, group, shapes, out_dtypes)
+
+        key = ("scan backward", run, threads, *(x.dtype for x in [*inputs, *d_outputs]))
+        results = b.launch(key, sizes, build)(
+            [*map(_as_buffer, inputs), *ckpts, *d_outputs,
+             *[g.astype(mx.float32) for g in d_finals]])
         n_in = len(_differentiable(spec))
         grads = b._finish_grads(inputs, results[:n_in], sizes, sch)
         return grads, b._finish_d_init(results[n_in:], states)
