@@ -234,9 +234,10 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     matrix form (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
     interval, which is also the chunk length) is chosen when not given; it may exceed ``L``.
 
-    ``scan`` (never picked by ``auto`` yet) needs ``scan_misfit`` to find nothing; its ``seg``
-    is the run of steps of one thread (``scan_run``). On the ``mlx`` backend it runs the
-    chunked form."""
+    ``scan`` needs ``scan_misfit`` to find nothing; its ``seg`` is the run of steps of one
+    thread (``scan_run``). ``auto`` picks it instead of ``chunked`` on the backends of
+    ``SCAN_AUTO_BACKENDS`` (CUDA, where it is measured faster) when no ``seg`` is given. On the
+    ``mlx`` backend it runs the chunked form."""
     spec = rec.spec
     if requested not in SCHEDULES:
         raise ValueError(f"{spec.name}(): schedule must be one of {SCHEDULES}, got {requested!r}")
@@ -274,6 +275,9 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         parallel = kernels or mlx_time_parallel_pays()
         kind = ("chunked" if form.time_parallel and parallel and L >= 2 * chunk and not busy
                 else "sequential")
+        if kind == "chunked" and seg is None and backend in SCAN_AUTO_BACKENDS \
+                and not scan_misfit(rec):
+            return "scan", scan_run(spec)
     if seg is None:
         seg = (MATRIX_CHUNK if kind == "matrix" else SEQUENTIAL_SEG if kind != "chunked"
                else chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))
@@ -294,6 +298,12 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
 # L2048: 288 groups; forward 43 -> 36 us, backward 90 -> 56 us in groups of 128).
 SCAN_THREADS = 256
 SCAN_MIN_THREADS = 128
+# Where ``auto`` runs the scan instead of the chunked schedule (for the specs it serves, when
+# no seg is given): measured on an H100 (RG-LRU, one process, forward+backward: B8 D1024
+# L4096 fp32 0.93 against 1.17 ms, bf16 0.99 against 1.44 ms; B3 D768 L2048 0.47 against
+# 0.59 ms, bf16 0.35 against 0.62 ms; benchmarks/results/bench-scan-rglru-H100-2026-11-24-*).
+# Metal is not measured on hardware yet, so it keeps the chunked schedule.
+SCAN_AUTO_BACKENDS = ("cuda",)
 SCAN_TARGET_THREADS = 1 << 16
 SCAN_TARGET_GROUPS = 256
 SCAN_MIN_LANE_BLOCK = 8

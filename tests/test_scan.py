@@ -21,7 +21,7 @@ import pytest
 import mlx_recgen as rg
 from conftest import KERNEL_BACKENDS, rel_err
 from references import REFERENCES, ZOO_REFERENCES
-from mlx_recgen.schedule import SCHEDULES, choose, make_scan_schedule, scan_misfit
+from mlx_recgen.schedule import SCHEDULES, choose, make_scan_schedule, scan_misfit, scan_run
 
 SCAN_SPECS = ["rglru", "rotlru", "mingru", "complex_lru"]
 TOL = 1e-5
@@ -161,11 +161,20 @@ def test_scan_default_schedule_runs(backend="metal-sim"):
 # -- choosing the schedule ----------------------------------------------------------------------
 
 
-def test_scan_is_a_schedule_auto_does_not_pick():
+def test_auto_picks_the_scan_where_it_is_measured_faster():
+    """``auto`` runs the scan where it would run the chunked schedule, on CUDA (measured) and
+    without a ``seg`` of the caller's; Metal and the mlx backend keep their choice."""
     assert "scan" in SCHEDULES
     rec = rg.load_spec("rglru")
-    for backend in ("cuda", "metal", "mlx"):
-        assert choose(rec, {"B": 8, "L": 4096, "D": 1024}, "auto", None, backend)[0] != "scan"
+    long = {"B": 8, "L": 4096, "D": 1024}
+    assert choose(rec, long, "auto", None, "cuda") == ("scan", scan_run(rec.spec))
+    assert choose(rec, long, "auto", 64, "cuda")[0] == "chunked"
+    assert choose(rec, {"B": 8, "L": 1, "D": 1024}, "auto", None, "cuda")[0] == "sequential"
+    for backend in ("metal", "metal-sim", "mlx"):
+        assert choose(rec, long, "auto", None, backend)[0] != "scan"
+    gla = rg.load_spec("gla")  # a state axis: no scan, the chunked schedule as before
+    assert choose(gla, {"B": 8, "L": 4096, "H": 16, "K": 64, "V": 64}, "auto", None,
+                  "cuda")[0] != "scan"
     assert choose(rec, {"B": 8, "L": 4096, "D": 1024}, "scan", None, "cuda") == ("scan", 8)
     assert choose(rec, {"B": 1, "L": 3, "D": 8}, "scan", 8, "metal")[1] == 3
 
