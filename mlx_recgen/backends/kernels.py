@@ -246,6 +246,15 @@ class KernelBackend:
         return self._metas.get_or_build(key, lambda: mx.array(self.meta.values(sizes, schedule),
                                                                dtype=mx.int64))
 
+    def _forward_outputs(self, sizes, schedule, instances, out_dtype):
+        """Shapes and dtypes of a one-kernel forward's outputs: the outputs, the final states
+        and the checkpoints."""
+        spec = self.rec.spec
+        shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
+        shapes += [declared_shape(t, sizes) for t in spec.states.values()]
+        shapes += [self._ckpt_shape(t, sizes, schedule, instances) for t in spec.states.values()]
+        return shapes, [out_dtype] * len(spec.outputs) + [mx.float32] * (2 * len(spec.states))
+
     def _ckpt_shape(self, t, sizes, schedule, instances, shares=False):
         """(segments, instances, components, rows, lanes): NS rows for a vector state, one for a
         scalar state; one lane for a shared state's values, all lanes for its adjoint's shares
@@ -311,10 +320,7 @@ class KernelBackend:
             instances, grid, group = self._launch(sizes, sch)
             dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
                       + f" -> {_dtype_name(out_dtype)}")
-            shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
-            shapes += [declared_shape(t, sizes) for t in spec.states.values()]
-            shapes += [self._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
-            out_dtypes = [out_dtype] * len(spec.outputs) + [mx.float32] * (2 * len(spec.states))
+            shapes, out_dtypes = self._forward_outputs(sizes, sch, instances, out_dtype)
             return _Launch(self.kernel("forward", sch, dtypes), self._meta(sizes, sch),
                            [*sch.template(), ("OutT", out_dtype)], grid, group, shapes, out_dtypes)
 
@@ -443,12 +449,9 @@ class ScanPasses:
             instances, grid, group = b._launch(sizes, sch)
             dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
                       + f" -> {_dtype_name(out_dtype)}")
-            shapes = [declared_shape(t, sizes) for t in spec.outputs.values()]
-            shapes += [declared_shape(t, sizes) for t in spec.states.values()]
-            shapes += [b._ckpt_shape(t, sizes, sch, instances) for t in spec.states.values()]
+            shapes, out_dtypes = b._forward_outputs(sizes, sch, instances, out_dtype)
             template = [*sch.template(), ("OutT", out_dtype),
                         *self.run_template([x.dtype for x in inputs])]
-            out_dtypes = [out_dtype] * len(spec.outputs) + [mx.float32] * (2 * len(spec.states))
             return _Launch(b.kernel("forward", sch, dtypes), b._meta(sizes, sch), template,
                            grid, group, shapes, out_dtypes)
 
