@@ -264,7 +264,9 @@ def test_auto_schedule_choice():
     from mlx_recgen.schedule import choose
 
     rglru, delta = rg.load_spec("rglru"), _not_parallel()["delta_rule"][0]
-    assert choose(rglru, {"B": 8, "L": 4096, "D": 1024}, "auto", None, "cuda") == ("chunked", 256)
+    assert choose(rglru, {"B": 8, "L": 4096, "D": 1024}, "auto", None, "metal") == ("chunked", 256)
+    # on CUDA the scan runs where the chunked schedule would (schedule.SCAN_AUTO_BACKENDS)
+    assert choose(rglru, {"B": 8, "L": 4096, "D": 1024}, "auto", None, "cuda") == ("scan", 8)
     assert choose(rglru, {"B": 8, "L": 4096, "D": 1024}, "auto", None, "mlx")[0] == "sequential"
     assert choose(rglru, {"B": 1, "L": 12, "D": 8}, "auto", 8, "cuda")[0] == "sequential"
     assert choose(delta, {"B": 8, "L": 4096, "P": 64, "N": 16}, "auto", None, "cuda") == \

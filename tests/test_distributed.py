@@ -413,6 +413,31 @@ def test_group_of_one_is_the_plain_call(name, backend):
         assert rel_err(a, b) < 1e-6
 
 
+def test_auto_keeps_the_chunked_summaries_where_a_plain_call_would_scan(monkeypatch):
+    """Where ``auto`` runs the scan (``schedule.SCAN_AUTO_BACKENDS``, CUDA), a call with
+    ``group=`` plans the chunked schedule instead: its kernels' summaries serve the cross-rank
+    composition, where the scan's passes would each run twice."""
+    from mlx_recgen import schedule
+
+    monkeypatch.setattr(schedule, "SCAN_AUTO_BACKENDS", ("metal-sim",))
+    rec = rg.load_spec("rglru")
+    a = mx.random.uniform(0.5, 0.9, (2, 200, 8))
+    x = mx.random.normal((2, 200, 8))
+    assert dict(rec.plan_for(rec.check(a, x), backend="metal-sim").options)["schedule"] == "scan"
+    planned = []
+    plan_for = rec.plan_for
+
+    def spy(call, **options):
+        plan = plan_for(call, **options)
+        planned.append(dict(plan.options)["schedule"])
+        return plan
+
+    monkeypatch.setattr(rec, "plan_for", spy)
+    y = rec(a, x, backend="metal-sim", group=mx.distributed.init())
+    assert planned == ["scan", "chunked"]
+    assert rel_err(y, rec.reference(a, x)) < TOL
+
+
 def test_errors():
     rec = worker.SPECS["rot"]
     _, inputs, states, _, _ = worker.make_case({"spec": "rot", "chunks": [4], "seed": 0})
