@@ -50,6 +50,11 @@ Two algorithms, chosen by the affine analysis (``rec.time_parallel``):
     writes until the command batch that holds it completes, and MLX encodes far ahead of it,
     so with kernels a rank's peak there is about the sum of the buffers of all four passes:
     2/n of one device's on the whole sequence (with two ranks, as much).
+  The products and folds are the chunked schedule's (``affine.py``; ``_matmul``, ``_then``,
+  ``_apply``): a zero state is no term, an underflowing product keeps its sign at the smallest
+  normal float, and each rank's summary carries its count of zero hits, which the fold
+  (``_advance``) turns into NaN where it meets an all-zero state, so non-finite and
+  overflowing inputs give what the sequential steps give.
 * **Other recurrences**: a pipeline, sequential across ranks. Rank ``r`` waits for the state at
   the end of rank ``r - 1``'s chunk, runs its chunk and hands its end state on; the backward
   hands the state adjoint from rank ``r + 1`` to rank ``r``. One forward and one backward pass
@@ -81,6 +86,8 @@ import numpy as np
 
 from .affine import _with_dependencies
 from .backends import kernels as _kernels
+from .backends.mlx_chunked import _apply as _apply_term
+from .backends.mlx_chunked import _compose as _compose_term
 from .backends.reference import Evaluator
 from .layout import declared_shape, from_canonical, to_canonical
 from .spec import Slot
@@ -260,22 +267,23 @@ class _States:
 
 
 def _matmul(a: dict, b: dict, k: int) -> dict:
-    """Per-element product of K x K blocks given as ``{(i, j): array}``."""
+    """Per-element product of K x K blocks of multipliers given as ``{(i, j): array}``, with
+    the chunked schedule's products (``affine.compose``: a zero factor is no term, an underflow
+    keeps its sign at the smallest normal)."""
     out = {}
     for i in range(k):
         for j in range(k):
-            acc = a[i, 0] * b[0, j]
+            acc = _compose_term(a[i, 0], b[0, j])
             for m in range(1, k):
-                acc = acc + a[i, m] * b[m, j]
+                acc = acc + _compose_term(a[i, m], b[m, j])
             out[i, j] = acc
     return out
 
 
 def _tree_product(m: dict, k: int) -> dict:
     """``M_T ... M_1`` of per-step K x K blocks ``{(i, j): array with time first}``, earliest
-    step first, by pairwise products (a scalar block is one ``prod`` over time)."""
-    if k == 1:
-        return {(0, 0): mx.prod(m[0, 0], axis=0)}
+    step first, by pairwise products (``_matmul``'s, so that an overflow or underflow on the
+    way composes as the chunked schedule's products do)."""
     while m[0, 0].shape[0] > 1:
         if m[0, 0].shape[0] % 2:  # the identity after the last step
             m = {(i, j): mx.concatenate([v, mx.full((1, *v.shape[1:]), float(i == j))])
@@ -370,16 +378,32 @@ def _array(v):
 
 
 def _apply(form, products: dict, h: dict, transpose: bool = False) -> dict:
-    """``P h`` (or ``Pᵀ h``) block by block, per element."""
+    """``P h`` (or ``Pᵀ h``) block by block, per element; a zero state is no term whatever
+    ``P`` (``affine.py``: ``P`` may have overflowed)."""
     out = {}
     for b, block in enumerate(form.blocks):
         for i, si in enumerate(block.slots):
-            terms = [products[(b, j, i) if transpose else (b, i, j)] * h[sj]
+            terms = [_apply_term(products[(b, j, i) if transpose else (b, i, j)], h[sj])
                      for j, sj in enumerate(block.slots)]
             acc = terms[0]
             for term in terms[1:]:
                 acc = acc + term
             out[si] = acc
+    return out
+
+
+def _advance(form, products: dict, h: dict, offsets: dict) -> dict:
+    """``P h + b`` of one rank's chunk (``products`` holds ``P`` and the chunk's zero hits,
+    ``offsets`` is ``b``): NaN in a block whose state is all zero where the chunk counted a zero
+    hit, as the sequential steps meet ``inf * 0`` there (``affine.zero_hit``)."""
+    ph = _apply(form, products, h)
+    out = {}
+    for b, block in enumerate(form.blocks):
+        zero = mx.logical_and(*[h[s] == 0 for s in block.slots]) if block.size > 1 \
+            else h[block.slots[0]] == 0
+        met = mx.logical_and(zero, products[(b, "hits")] != 0)
+        for s in block.slots:
+            out[s] = mx.where(met, mx.nan, ph[s] + offsets[s])
     return out
 
 
@@ -396,6 +420,9 @@ class _Products:
         self.shapes = {(b, i, j): (*lead, ns if block.pointwise else 1)
                        for b, block in enumerate(rec.affine.blocks)
                        for i in range(block.size) for j in range(block.size)}
+        # and per block the chunk's count of zero hits, per state element with the state axis
+        self.shapes.update({(b, "hits"): (*lead, ns if block.vector else 1)
+                            for b, block in enumerate(rec.affine.blocks)})
         self.keys = list(self.shapes)
         self.size = sum(int(np.prod(s)) for s in self.shapes.values())
 
@@ -435,7 +462,10 @@ class _Passes:
         ``forward`` reuses."""
         local_end = self.impl.forward(inputs, self.states.zeros(), self.sizes, self.seg,
                                       self.out_dtype, **self.options)[1]
-        return chunk_products(self.rec, inputs, self.sizes), self.states.canonical(local_end), None
+        # the passes run the steps from a zero state: where they met inf * 0, b is NaN already
+        products = chunk_products(self.rec, inputs, self.sizes)
+        products.update({(b, "hits"): mx.array(0.0) for b in range(len(self.rec.affine.blocks))})
+        return products, self.states.canonical(local_end), None
 
     def forward(self, inputs, start, memo):
         """``(outputs, residuals)`` of the chunk from its start states (declared layout)."""
@@ -497,9 +527,10 @@ class _Segments:
         batch = [self.sizes[a] for a in self.spec.batch_axes]
         return mx.swapaxes(x.reshape(*batch, *x.shape[-2:]), -1, -2)
 
-    def _compose(self, prods, per_segment, adjoint):
+    def _compose(self, prods, per_segment, adjoint, hits=None):
         """The chunk's ``(P, offsets)`` (canonical) from per-segment buffers: forward, the maps
-        ``h <- P_s h + local_s`` from the first segment on; for the adjoint,
+        ``h <- P_s h + local_s`` from the first segment on, with the chunk's count of zero hits
+        under ``(block, "hits")`` (from ``hits``, the summaries'); for the adjoint,
         ``λ <- P_sᵀ λ + local_s`` from the last segment back (only the offsets, ``λloc``)."""
         products, offsets = {}, {}
         for b, block in enumerate(self.rec.affine.blocks):
@@ -507,11 +538,14 @@ class _Segments:
             A = [[prods[b][:, :, (j * k + i) if adjoint else (i * k + j)] for j in range(k)]
                  for i in range(k)]
             c = [per_segment[n][:, :, comp] for n, comp in (self.where[s] for s in block.slots)]
-            A, c = _fold(A, c, reverse=adjoint)
+            Z = None if hits is None else hits[b][:, :, 0]
+            A, c, Z = _fold(A, c, reverse=adjoint, Z=Z)
             for i, s in enumerate(block.slots):
                 offsets[s] = self._canonical(c[i][0])
                 for j in range(k):
                     products[b, i, j] = self._canonical(A[i][j][0])
+            if Z is not None:
+                products[b, "hits"] = self._canonical(Z[0])
         return products, offsets
 
     def summarise(self, inputs):
@@ -521,7 +555,7 @@ class _Segments:
                             [mx.float32] * len(shapes), _dtypes_text(inputs))
         n, m = self.n_state, self.n_state + len(self.products)
         local, prods, hits = summary[:n], summary[n:m], summary[m:]
-        products, local_end = self._compose(prods, local, adjoint=False)
+        products, local_end = self._compose(prods, local, adjoint=False, hits=hits)
         return products, local_end, (meta, local, prods, hits)
 
     def forward(self, inputs, start, memo):
@@ -579,15 +613,24 @@ FOLD_ARITY = 16
 
 
 def _then(first, second):
-    """The affine map ``second ∘ first`` of maps ``(A, c)``: ``x -> A x + c`` per element, ``A``
-    a K x K list of arrays, ``c`` a list of K arrays."""
-    (A1, c1), (A2, c2) = first, second
+    """The affine map ``second ∘ first`` of maps ``(A, c, Z)``: ``x -> A x + c`` per element,
+    ``A`` a K x K list of arrays, ``c`` a list of K arrays, with the chunked schedule's products
+    (``affine.py``: a zero factor is no term). ``Z``, where not None, counts the zero hits of a
+    map started from zero: the first's, and the second's where the first leaves a zero start
+    at zero."""
+    (A1, c1, Z1), (A2, c2, Z2) = first, second
     k = len(c1)
-    A = [[sum((A2[i][m] * A1[m][j] for m in range(1, k)), A2[i][0] * A1[0][j])
-          for j in range(k)] for i in range(k)]
-    c = [sum((A2[i][m] * c1[m] for m in range(1, k)), A2[i][0] * c1[0] + c2[i])
-         for i in range(k)]
-    return A, c
+    A = [[sum((_compose_term(A2[i][m], A1[m][j]) for m in range(1, k)),
+              _compose_term(A2[i][0], A1[0][j])) for j in range(k)] for i in range(k)]
+    c = [sum((_apply_term(A2[i][m], c1[m]) for m in range(1, k)),
+             _apply_term(A2[i][0], c1[0]) + c2[i]) for i in range(k)]
+    Z = None
+    if Z1 is not None:
+        zero = c1[0] == 0
+        for x in c1[1:]:
+            zero = mx.logical_and(zero, x == 0)
+        Z = Z1 + mx.where(zero, Z2, 0.0)
+    return A, c, Z
 
 
 def _in_order(maps, reverse=False):
@@ -599,10 +642,11 @@ def _in_order(maps, reverse=False):
     return total
 
 
-def _fold(A, c, reverse=False):
+def _fold(A, c, reverse=False, Z=None):
     """The composition of the affine maps ``x -> A_s x + c_s`` stacked along the leading axis
     of ``A`` (a K x K list of arrays) and ``c`` (a list of K arrays), the first map applied
-    first (the last first when ``reverse``): ``(A, c)`` with a leading axis of one.
+    first (the last first when ``reverse``): ``(A, c, Z)`` with a leading axis of one, ``Z``
+    the zero hits of the composed map (``_then``) where the maps' own ``Z`` is given.
 
     A tree of ``FOLD_ARITY``-ary levels. A level composes the maps of all its groups at once,
     one map after the other, reading them as strided views. Each op of that chain is the only
@@ -617,16 +661,18 @@ def _fold(A, c, reverse=False):
         arity = min(FOLD_ARITY, n)
         whole = n - n % arity
         if whole < n:
-            leftovers.append(_in_order([_at(A, c, slice(s, s + 1)) for s in range(whole, n)],
+            leftovers.append(_in_order([_at(A, c, Z, slice(s, s + 1)) for s in range(whole, n)],
                                        reverse))
-        A, c = _in_order([_at(A, c, slice(j, whole, arity)) for j in range(arity)], reverse)
+        A, c, Z = _in_order([_at(A, c, Z, slice(j, whole, arity)) for j in range(arity)],
+                            reverse)
     # in time order: the last level's groups, then each level's leftovers, deepest first
-    return _in_order([(A, c), *leftovers[::-1]], reverse)
+    return _in_order([(A, c, Z), *leftovers[::-1]], reverse)
 
 
-def _at(A, c, index):
+def _at(A, c, Z, index):
     """The maps ``index`` (a slice along the leading axis) of stacked maps."""
-    return [[a[index] for a in row] for row in A], [x[index] for x in c]
+    return [[a[index] for a in row] for row in A], [x[index] for x in c], \
+        None if Z is None else Z[index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -702,8 +748,7 @@ def _affine_function(plan, group, rules):
             if q == rank:
                 start = h
             p, b, _ = unpack_summary(gathered[q])
-            ph = _apply(form, p, h)
-            h = {s: ph[s] + b[s] for s in states.slots}
+            h = _advance(form, p, h, b)
         start = states.declared(start)
         outs, residuals = chunk.forward(inputs, start, memo)
         return (*outs, *states.declared(h), *start, gathered, *residuals)
