@@ -399,8 +399,9 @@ def _advance(form, products: dict, h: dict, offsets: dict) -> dict:
     ph = _apply(form, products, h)
     out = {}
     for b, block in enumerate(form.blocks):
-        zero = mx.logical_and(*[h[s] == 0 for s in block.slots]) if block.size > 1 \
-            else h[block.slots[0]] == 0
+        zero = h[block.slots[0]] == 0
+        for s in block.slots[1:]:
+            zero = mx.logical_and(zero, h[s] == 0)
         met = mx.logical_and(zero, products[(b, "hits")] != 0)
         for s in block.slots:
             out[s] = mx.where(met, mx.nan, ph[s] + offsets[s])
