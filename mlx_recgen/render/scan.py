@@ -5,10 +5,12 @@ read every input once and write every output once:
 
 forward   one threadgroup per (instance, block of ``LB`` lanes) walks all of time in stretches
           of ``STRETCH = TG / LB * RUN`` steps, oldest first. In a stretch, thread
-          ``(j, lane)`` loads its run of ``RUN`` consecutive steps into registers and
+          ``(j, lane)`` has its run of ``RUN`` consecutive steps in registers (loaded during
+          the previous stretch, in the buffers' own dtypes: ``scan_runs.j2``) and
           summarises it as an affine map ``h -> P h + s`` (the segment summary of
           ``affine.segment_summary``: ``s`` from a zero state, ``P`` the composed multiplier).
-          The maps compose through a butterfly of shuffles over the time-threads of a
+          The maps compose, with the chunked schedule's products and zero hits
+          (``affine.py``), through a butterfly of shuffles over the time-threads of a
           simdgroup (an exclusive prefix and a total per thread), then one threadgroup pass:
           every thread applies the simdgroups' totals to the carried state in time order,
           which gives the state entering its simdgroup and the stretch's end state (carried to
