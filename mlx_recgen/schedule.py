@@ -362,9 +362,10 @@ def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
                        max_threads: int = MAX_THREADS, map_floats: int = 2) -> Schedule:
     """The scan schedule of a call: ``run`` steps per thread, ``threads`` per group (chosen:
     ``SCAN_THREADS``, at most ``max_threads``, halved (to ``SCAN_MIN_THREADS``) where that
-    brings the call's threads within ``SCAN_TARGET_THREADS``, and until the two buffers of simdgroup totals,
-    ``2 x TG / 32 x map_floats x LB`` floats, fit in threadgroup memory), lane blocks narrowed
-    as ``SCAN_TARGET_GROUPS`` asks; ``seg`` is the stretch ``threads / LB * run``."""
+    brings the call's threads within ``SCAN_TARGET_THREADS``, and until the two buffers of
+    simdgroup totals, ``2 x TG / 32 x map_floats x LB`` floats, fit in threadgroup memory),
+    lane blocks narrowed as ``SCAN_TARGET_GROUPS`` asks; ``seg`` is the stretch
+    ``threads / LB * run``."""
     if threads is None:
         tg = min(SCAN_THREADS, max_threads)
     elif not isinstance(threads, int) or threads < 32 or threads % 32 or threads > MAX_THREADS:

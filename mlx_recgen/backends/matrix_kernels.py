@@ -67,11 +67,12 @@ class MatrixKernels:
     def units(self) -> bool:
         return not (self.dialect.name == "cuda" and os.environ.get("MLX_ENABLE_TF32") == "0")
 
-    def shape(self, C, K, V, inclusive, signed=False):
-        """The kernels' shape for these sizes, or None where no tiling fits group memory."""
+    def shape(self, C, K, V, inclusive, signed=False, units=None):
+        """The kernels' shape for these sizes, or None where no tiling fits group memory;
+        ``units``: the products on the matrix units (None: as ``units()`` says)."""
         t = tiles(C, K, V, self.dialect.shared_bytes, self.dialect.matrix_pads)
-        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, self.units(),
-                                                        signed)
+        units = self.units() if units is None else units
+        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, units, signed)
 
     @staticmethod
     def _text(dialect, shape, kind):
@@ -196,9 +197,7 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     if backend not in ("metal", "cuda", "metal-sim"):
         raise ValueError(f"backend must be 'metal', 'metal-sim' or 'cuda', got {backend!r}")
     kernels = MatrixKernels(backend)
-    if units is not None:
-        kernels.units = lambda: units
-    shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive, signed)
+    shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive, signed, units)
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
@@ -255,4 +254,4 @@ def matrix_kernels(backend: str) -> MatrixKernels:
 
 
 __all__ = ["DEFAULT_ON", "KERNELS", "MAX_CHUNK", "MatrixKernels", "enabled", "kernel_chunk",
-           "matrix_kernels", "matrix_source"]
+           "kernel_flags", "matrix_kernels", "matrix_source", "spec_matrix_source"]

@@ -408,12 +408,12 @@ class MatrixForm(SequentialForm):
         T = log_d.shape[-2]
         flat = lambda x: mx.contiguous(mx.broadcast_to(x, (*batch, T, x.shape[-1]))).reshape(
             -1, T, x.shape[-1])
-        if st.positive:
-            sign = log_d
-        else:  # a zero multiplier counts as positive: its floored log erases the state anyway
-            sign = mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0)
-        y, S, _ = core(flat(c), flat(a), flat(b), flat(log_d)[..., 0], flat(sign)[..., 0],
-                       S0.reshape(-1, K, V))
+        log_d = flat(log_d)[..., 0]
+        # the core reads the sign for a signed shape only (any array stands in otherwise); a
+        # zero multiplier counts as positive: its floored log erases the state anyway
+        sign = log_d if st.positive else \
+            flat(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0))[..., 0]
+        y, S, _ = core(flat(c), flat(a), flat(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
 
     @staticmethod

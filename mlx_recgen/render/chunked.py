@@ -27,7 +27,7 @@ layout ``[segment, instance, 1, NS or 1, lane]`` (NS rows for a block with the s
 from __future__ import annotations
 
 from ..ir import prune
-from .kernels import KernelRenderer, StepWriter, environment
+from .kernels import KernelRenderer, StepWriter, environment, met_zero_hit
 from .names import program_symbols
 
 
@@ -123,8 +123,8 @@ class ChunkedRenderer(KernelRenderer):
                     buffer = self.hits_buffer(b) if p.hits else self.product_buffer(b)
                     lines.append(f"const float {name} = {buffer}[{self._product_offset(p)}];")
             if not reverse:  # from a zero start the sequential steps met inf * 0 in the segment
-                zero = " && ".join(f"old_{i} == 0.0f" for i in range(block.size))
-                lines.append(f"const bool met_inf_zero = {zero} && hits != 0.0f;")
+                met = met_zero_hit([f"old_{i}" for i in range(block.size)], "hits")
+                lines.append(f"const bool met_inf_zero = {met};")
             for i in range(block.size):
                 terms = [f"recgen_apply(p_{j}{i}, old_{j})" if reverse else
                          f"recgen_apply(p_{i}{j}, old_{j})" for j in range(block.size)]

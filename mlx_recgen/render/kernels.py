@@ -193,6 +193,13 @@ class StepWriter:
         return lines + deferred
 
 
+def met_zero_hit(states, hits: str) -> str:
+    """The C condition under which a composed map gives NaN (``affine.zero_hit``): the block's
+    ``states`` (C expressions) all zero where the map counted zero ``hits``, as the sequential
+    steps met ``inf * 0`` there."""
+    return " && ".join([*(f"{s} == 0.0f" for s in states), f"{hits} != 0.0f"])
+
+
 def _commit_state(spec, names, idx="n"):
     """Route for state stores: the new value replaces the state register once the step (or the
     loop iteration) has read the old one."""

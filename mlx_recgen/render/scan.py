@@ -37,7 +37,7 @@ from ..ir import free_symbols, prune
 from ..schedule import SEGMENTS
 from ..spec import Slot
 from .kernels import (KernelRenderer, StepWriter, _commit_state, _forward_route, _without_outputs,
-                      environment)
+                      environment, met_zero_hit)
 from .names import program_symbols
 
 
@@ -117,8 +117,8 @@ class ScanRenderer(KernelRenderer):
         for b, size, idx in self._blocks():
             met = ""
             if hits:
-                zero = " && ".join(f"{src[k]} == 0.0f" for k in idx)
-                lines.append(f"const bool met_inf_zero_{b} = {zero} && {m(f'z{b}')} != 0.0f;")
+                met = met_zero_hit([src[k] for k in idx], m(f"z{b}"))
+                lines.append(f"const bool met_inf_zero_{b} = {met};")
                 met = f"met_inf_zero_{b} ? {self.d.nan} : "
             for i in range(size):
                 terms = " + ".join(f"recgen_apply({m(f'a{b}_{i}{k}')}, {src[idx[k]]})"
