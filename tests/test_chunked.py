@@ -177,6 +177,9 @@ def _nonfinite_case(name, case):
     elif case == "inf_gate_zero_state":  # inf * 0 in the sequential steps: NaN from there on
         ins[gate][:, 1] = INF
         ins[drive][:, :2] = 0.0
+    elif case == "inf_gate_zero_state_later":  # the same in a later run or segment
+        ins[gate][:, 5] = INF
+        ins[drive][:, :6] = 0.0
     elif case == "nan_gate_zero_state":  # NaN * 0 likewise
         ins[gate][:, 5] = float("nan")
         ins[drive][:, :6] = 0.0
@@ -199,7 +202,7 @@ def _assert_same(ours, ref, label):
 
 NONFINITE = [(n, c) for n in ("rglru", "gla")
              for c in ("overflow", "inf_gate_inside", "inf_gate_first", "inf_gate_zero_state",
-                       "nan_gate_zero_state", "inf_state")]
+                       "inf_gate_zero_state_later", "nan_gate_zero_state", "inf_state")]
 # a rotation of infinite vectors is NaN in an order-dependent way (inf - inf): the cases whose
 # values stay defined
 NONFINITE += [("rotlru", "overflow"), ("rotlru", "inf_state")]

@@ -444,3 +444,26 @@ def test_whole_simdgroup_sum_of_one_value_is_the_targets_sum():
     assert "recgen_lane_scatter<1, PARTS>" in metal and "v[0] = simd_sum(v[0]);" in metal
     assert "simd_sum(" not in cuda and "v[0] = recgen_warp_sum(v[0]);" in cuda
     assert "__shfl_xor_sync" in cuda
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("schedule", ["sequential", "scan"])
+def test_launches_are_kept_per_call_shape(backend, schedule):
+    """A kernel call of a known shape reuses its launch (``kernels._Launch``); inputs of another
+    dtype, another length or another output dtype get launches of their own, and every call
+    stays right."""
+    rec = rg.load_spec("rglru")
+    impl = rec._backend(backend)
+    impl.forget_shapes()
+    a = mx.random.uniform(0.3, 0.9, (2, 40, 8))
+    x = mx.random.normal((2, 40, 8))
+    calls = [(a, x), (a, x), (a.astype(mx.bfloat16), x.astype(mx.bfloat16)),
+             (a[:, :17], x[:, :17])]
+    for inputs in calls:
+        y = rec(*inputs, backend=backend, schedule=schedule)
+        assert y.dtype == inputs[0].dtype
+        want = rec.reference(*(v.astype(mx.float32) for v in inputs))
+        assert rel_err(y.astype(mx.float32), want) < (1e-2 if y.dtype == mx.bfloat16 else 1e-5)
+    forward = [k for k in impl._launches if "forward" in str(k[0])]
+    assert len(forward) == 3  # fp32 at L 40, bf16 at L 40, fp32 at L 17
+    impl.forget_shapes()
