@@ -12,7 +12,10 @@ mixed only with the same element ``n`` of the other components of its block (a s
 element for GLA, SSD, RG-LRU; a 2x2 rotation for the rotational LRU). The analysis is symbolic:
 
 * a reduction over the state axis that reads the state (``Σ_n k[n] h[n]``, a delta rule)
-  makes any update that reads it non-affine in this sense — it mixes state elements;
+  mixes state elements: the multiplier is then diagonal plus low rank (``LowRankRead``), still
+  affine and time-parallel, but its chunks compose ``K x K`` products, which the chunked and
+  scan schedules do not run (``AffineForm.block_diagonal``): the matrix schedule runs it
+  (``matrix.py``, the UT transform of a delta rule);
 * ``M = ∂F/∂h`` must not depend on the state (``tanh(h)``, ``max(h, x)`` and ``|h|`` fail);
 * a state with the state axis and one without may not feed each other's updates.
 
@@ -76,12 +79,36 @@ class AffineBlock:
 
 
 @dataclass(frozen=True)
+class LowRankRead:
+    """A read of a state through a sum over the state axis that the state's own update adds
+    back: ``ρ = Σ_n β[n] h[n]`` and ``h'[n] = d[n] h[n] + α[n] ρ + ...``, so the multiplier is
+    ``diag(d) + α βᵀ`` over the state axis (a delta rule: ``α = -β_t k``, ``β = k``; RWKV-7:
+    ``α = b``, ``β = a``). ``probe``: the sum's target ``ρ``; ``alpha = ∂h'/∂ρ`` and
+    ``beta = ∂ρ/∂h``, both free of the state."""
+
+    slot: Slot
+    probe: sympy.Symbol
+    alpha: sympy.Expr
+    beta: sympy.Expr
+
+
+@dataclass(frozen=True)
 class AffineForm:
-    """The result of the analysis: blocks when time-parallel, else the reason it is not."""
+    """The result of the analysis: blocks when time-parallel, else the reason it is not.
+    ``low_rank``: the reads that add a low-rank part to a block's diagonal multiplier (empty:
+    the multiplier is block-diagonal)."""
 
     time_parallel: bool
     reason: str
     blocks: tuple = ()
+    low_rank: tuple = ()
+
+    @property
+    def block_diagonal(self) -> bool:
+        """Time-parallel with a block-diagonal multiplier: every state element is mixed only
+        with the other components of its own element, so a chunk's composed multiplier is a
+        small block per element (what the chunked and scan schedules compose)."""
+        return self.time_parallel and not self.low_rank
 
     def describe(self) -> str:
         if not self.time_parallel:
@@ -91,7 +118,13 @@ class AffineForm:
             names = ", ".join(s.label(b.components) for s in b.slots)
             kind = "per state element" if b.pointwise else "per lane"
             shape = "scalar" if b.size == 1 else f"{b.size}x{b.size} block"
-            parts.append(f"{names}: {shape} multiplier {kind}")
+            reads = [r for r in self.low_rank if r.slot in b.slots]
+            if reads:
+                sums = ", ".join(f"{r.probe} = Σ({r.beta}·{names})" for r in reads)
+                parts.append(f"{names}: diagonal {kind} plus rank {len(reads)} over the state "
+                             f"axis (reads {sums})")
+            else:
+                parts.append(f"{names}: {shape} multiplier {kind}")
         return "time-parallel (state-affine: h' = M h + b; " + "; ".join(parts) + ")"
 
 
@@ -118,18 +151,17 @@ def analyse(ir: StepIR) -> AffineForm:
     state_syms = set(sym.values())
     dependent = _state_dependent_reductions(ir, state_syms)
 
+    low_rank, reason = _low_rank_reads(ir, dependent, sym, label)
+    if reason:
+        return AffineForm(False, reason)
+    probes = {r.probe for r in low_rank}
+
     entries = {}
     for s in slots:
         update = ir.new_state[s]
-        reads = update.free_symbols & set(dependent)
-        if reads:
-            r = dependent[sorted(reads, key=str)[0]]
-            return AffineForm(False, f"the update of state '{label(s)}' reads the state through "
-                                     f"the reduction {r.target} = Σ({r.body}) over the state axis "
-                                     "(a delta-rule-like read mixes state elements)")
         for other in slots:
             m = sympy.diff(update, sym[other]) if sym[other] in update.free_symbols else sympy.S.Zero
-            if m.free_symbols & state_syms:
+            if m.free_symbols & (state_syms | probes):
                 return AffineForm(False, f"the update of state '{label(s)}' is not affine in "
                                          f"'{label(other)}': ∂/∂{label(other)} = {m} depends on "
                                          "the state")
@@ -161,7 +193,41 @@ def analyse(ir: StepIR) -> AffineForm:
         comps = spec.states[members[0].tensor].components
         blocks.append(AffineBlock(tuple(members), mult, ir.is_vector_slot(members[0]), pointwise,
                                   comps))
-    return AffineForm(True, "", tuple(blocks))
+    return AffineForm(True, "", tuple(blocks), tuple(low_rank))
+
+
+def _low_rank_reads(ir: StepIR, dependent: dict, sym: dict, label) -> tuple:
+    """The reads of the state through sums over the state axis that updates add back
+    (``LowRankRead``), or the reason an update's read of such a sum is not of that form:
+    ``(reads, reason)``. A sum qualifies when it is linear in one state with a state-free
+    coefficient and no constant part, and only that state's update reads it, linearly."""
+    spec = ir.spec
+    state_syms = set(sym.values())
+    reads = []
+    for s in spec.state_slots():
+        update = ir.new_state[s]
+        for target in sorted(update.free_symbols & set(dependent), key=str):
+            r = dependent[target]
+            why = f"the update of state '{label(s)}' reads the reduction {target} = Σ({r.body})"
+            if not ir.is_vector_slot(s):
+                return [], f"{why}, and '{label(s)}' has no state axis"
+            others = r.body.free_symbols & ((state_syms - {sym[s]}) | set(dependent))
+            if others:
+                return [], (f"{why}, which reads {sorted(map(str, others))} besides "
+                            f"'{label(s)}' (a read of another state or sum mixes states)")
+            beta = sympy.diff(r.body, sym[s])
+            if beta.free_symbols & state_syms or r.body.xreplace({sym[s]: 0}) != 0:
+                return [], f"{why}, which is not linear in '{label(s)}' without a constant part"
+            alpha = sympy.diff(update, target)
+            if alpha.free_symbols & (state_syms | set(dependent)):
+                return [], f"{why} and is not linear in it: ∂/∂{target} = {alpha}"
+            readers = [o for o in spec.state_slots() if o != s and
+                       target in ir.new_state[o].free_symbols]
+            if readers:
+                return [], (f"{why}, and so does the update of '{label(readers[0])}' (a read "
+                            "shared by two states mixes them)")
+            reads.append(LowRankRead(s, target, alpha, beta))
+    return reads, ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +432,6 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
                           step_maps_program(ir, form, list(products)))
 
 
-__all__ = ["AffineBlock", "AffineForm", "ProductEntry", "SegmentSummary", "analyse", "compose",
-           "outputs_of_updated_state", "product_entries", "scale", "segment_summary",
-           "step_maps_program", "summary_program", "zero_hit"]
+__all__ = ["AffineBlock", "AffineForm", "LowRankRead", "ProductEntry", "SegmentSummary",
+           "analyse", "compose", "outputs_of_updated_state", "product_entries", "scale",
+           "segment_summary", "step_maps_program", "summary_program", "zero_hit"]

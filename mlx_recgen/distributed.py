@@ -14,7 +14,7 @@ the sum of all ranks' losses,
   gradients). The initial state's contribution is the whole gradient on rank 0 and zero on the
   other ranks.
 
-Two algorithms, chosen by the affine analysis (``rec.time_parallel``):
+Two algorithms, chosen by the affine analysis (``rec.affine.block_diagonal``):
 
 * **State-affine recurrences** (``h' = M h + b``): no rank waits for another's scan. Every rank
   summarises its chunk: ``b_r``, its final state from a zero state, and ``P_r = M_last ...
@@ -142,7 +142,7 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
     sizes = dict(plan.sizes)
     _check_chunks(rec, group, sizes)
     checked = _LAST[_key(group)]
-    build = _affine_function if rec.time_parallel else _pipeline_function
+    build = _affine_function if rec.affine.block_diagonal else _pipeline_function
     # the plan's recurrence: the twin without gradients for bool and integer inputs, when the
     # call has some
     fn = build(plan, group, _Rules(group, checked))
@@ -162,7 +162,7 @@ def _other_axes(spec):
 def _fingerprint(rec) -> int:
     s = rec.spec
     text = repr((s.name, s.time, s.lane, [(t.name, t.kind, t.axes) for t in s.tensors.values()],
-                 rec.time_parallel))
+                 rec.affine.block_diagonal))
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
@@ -306,9 +306,9 @@ def chunk_products(rec, inputs, sizes, block_floats: int = PRODUCT_BLOCK_FLOATS)
     exceed ``block_floats`` floats are taken in blocks of steps, each block evaluated before
     the next."""
     spec, form = rec.spec, rec.affine
-    if not form.time_parallel:
-        raise ValueError(f"{rec.name}: chunk products need a state-affine recurrence "
-                         f"({form.reason})")
+    if not form.block_diagonal:
+        raise ValueError(f"{rec.name}: chunk products need a state-affine recurrence with a "
+                         f"block-diagonal multiplier ({form.describe()})")
     nb, L = len(spec.batch_axes), sizes[spec.time]
     entries = {(b, i, j): block.multiplier[i][j] for b, block in enumerate(form.blocks)
                for i in range(block.size) for j in range(block.size)}

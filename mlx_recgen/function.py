@@ -26,6 +26,7 @@ from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
 from .memo import LRU
 from .schedule import choose as choose_schedule
+from .schedule import chunked_misfit
 from .spec import KERNEL_OPTIONS, Spec
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -121,8 +122,8 @@ class Recurrence:
     def segment_summary(self):
         """The chunked schedule's segment-summary step (``affine.segment_summary``), derived once
         for every rendering of it."""
-        if not self.time_parallel:
-            raise ValueError(f"{self.name} is not state-affine: {self.affine.reason}")
+        if not self.affine.block_diagonal:
+            raise ValueError(f"{self.name} has no segment summary: {chunked_misfit(self)}")
         return segment_summary(self.ir, self.affine)
 
     @functools.cached_property
@@ -135,8 +136,9 @@ class Recurrence:
 
     @property
     def time_parallel(self) -> bool:
-        """Whether the state update is affine with a block-diagonal multiplier, so that the
-        ``chunked`` schedule can run time in parallel (``affine.analyse``)."""
+        """Whether the state update is affine in the state with a multiplier free of it
+        (``affine.analyse``), so that time can run in parallel: block-diagonal multipliers in
+        the ``chunked`` schedule, diagonal plus low rank (delta rules) in the ``matrix`` one."""
         return self.affine.time_parallel
 
     def __repr__(self):
@@ -161,9 +163,12 @@ class Recurrence:
         """Which schedules apply, and why ``chunked`` does not when it does not."""
         if self.matrix.applies:
             return f"sequential, chunked and matrix; {self.matrix.describe()}"
-        if self.time_parallel:
+        if self.affine.block_diagonal:
             return (f"sequential and chunked; {self.affine.describe()}; not matrix: "
                     f"{self.matrix.reason}")
+        if self.time_parallel:
+            return (f"sequential only; {self.affine.describe()}; not chunked: "
+                    f"{chunked_misfit(self)}; not matrix: {self.matrix.reason}")
         return f"sequential only ({self.affine.reason})"
 
     def gradient_reductions(self) -> dict:

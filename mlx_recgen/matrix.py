@@ -19,13 +19,22 @@ axes of the inputs it reads (per group of heads, Mamba-2's ``C``). The analysis 
 the expressions of ``log d``, ``a``, ``b`` and ``c`` per step and the outputs as functions of
 the readouts (``MatrixForm``), which ``backends/mlx_matrix.py`` evaluates and multiplies.
 
+Delta rules. A state whose update adds back a read of itself, ``ρ_t = Σ_n β_t[n] S_{t-1}[n]``
+(``affine.LowRankRead``: ``S_t = (d_t + α_t β_tᵀ) S_{t-1} + Σ_r a_r ⊗ b_r``), is of the same
+form once the reads ``ρ`` are known: they enter as one more added term ``α ⊗ ρ``. Within a
+chunk the reads solve a unit lower-triangular system (the UT transform of DeltaNet's WY
+representation): ``ρ = T (β ⊙ γ) S_start + T Σ_r W(β, a_r) b_r`` with ``T = (I - W(β, α))⁻¹``,
+``W`` the same causal decay-weighted products as the readouts', so a chunk maps its starting
+state through a ``K x K`` matrix (``backends/mlx_matrix.py``). ``α`` and ``β`` must be free of
+the lane axis (one solve serves every lane) and the decay positive.
+
 Outside the class (a multiplier that varies along the lane axis as in Mamba-1, per-lane scalar
-states as in RG-LRU, 2x2 blocks, delta rules, nonlinear updates) ``analyse`` returns the reason.
+states as in RG-LRU, 2x2 blocks, nonlinear updates) ``analyse`` returns the reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 
@@ -44,7 +53,8 @@ class MatrixState:
     symbolically (else the sign is carried at run time). ``vector_decay``: ``d`` varies over the
     state axis. ``terms``: ``(a_r, b_r)`` pairs, ``a_r`` over the state axis and free of the
     lane, ``b_r`` free of the state axis. ``has_lane``: the state carries the lane axis (else it
-    is shared by the lanes, ``V = 1``)."""
+    is shared by the lanes, ``V = 1``). ``low_rank``: ``(ρ, α, β)`` of the reads of the state
+    that its update adds back (a delta rule), ``α`` and ``β`` over the state axis."""
 
     slot: Slot
     symbol: sympy.Symbol
@@ -54,6 +64,7 @@ class MatrixState:
     vector_decay: bool
     terms: tuple
     has_lane: bool
+    low_rank: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -64,12 +75,15 @@ class Readout:
     ``decayed``: the states of scalar decay ``d_s`` whose decay was a factor of the coefficient
     (a readout of the state after the update) and was taken out of it: the backend applies it
     to the whole readout of step ``t``, so the coefficient stays the un-decayed vector ``q``
-    (shared by a group of heads where ``q`` is, Mamba-2's ``C``)."""
+    (shared by a group of heads where ``q`` is, Mamba-2's ``C``). ``reads``: the reads ``ρ``
+    of a delta rule the sum takes, known per step once solved, by their weights ``w[n]``
+    (``Σ_n w[n] ρ``: a readout of the state after the update reads its ``α ρ``)."""
 
     target: sympy.Symbol
     coefficients: dict  # state symbol -> lane-free expression over the state axis
     rest: sympy.Expr  # state-free
     decayed: frozenset = frozenset()
+    reads: dict = field(default_factory=dict)  # ρ -> its weight in the sum (a delta rule)
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,9 @@ class MatrixForm:
         for s in self.states:
             decay = "vector decay" if s.vector_decay else "scalar decay"
             shape = "K x V" if s.has_lane else "K (shared by the lanes)"
-            parts.append(f"{s.slot.tensor}: {shape}, {decay}, rank {len(s.terms)} input")
+            delta = (f", rank {len(s.low_rank)} transition (a delta rule: chunks through the UT "
+                     "transform)" if s.low_rank else "")
+            parts.append(f"{s.slot.tensor}: {shape}, {decay}, rank {len(s.terms)} input{delta}")
         return ("matrix form (chunkwise products: S' = d ⊙ S + Σ a ⊗ b, readouts Σ c S): "
                 + "; ".join(parts))
 
@@ -175,24 +191,44 @@ def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
                                      "axis, so the lanes do not share one decay")
         if d == 0:
             return MatrixForm(False, f"the multiplier of '{label}' is zero")
-        offset = ir.new_state[slot].subs(sym, 0)
+        low_rank = tuple((r.probe, r.alpha, r.beta) for r in affine.low_rank if r.slot == slot)
+        for probe, alpha, beta in low_rank:
+            for what, e in (("adds it back with", alpha), ("reads it with", beta)):
+                if e.free_symbols & lane:
+                    return MatrixForm(False, f"the update of '{label}' {what} {e} through "
+                                             f"{probe}, which varies along the lane axis (one "
+                                             "triangular solve per chunk serves every lane only "
+                                             "where it does not)")
+            if not d.is_positive:
+                return MatrixForm(False, f"the multiplier of '{label}' ({d}) has no known sign, "
+                                         "and its delta-rule read solves with positive decays")
+        offset = ir.new_state[slot].xreplace({sym: 0, **{p: 0 for p, _, _ in low_rank}})
         terms, reason = _factor_terms(offset, vector, lane, label)
         if terms is None:
             return MatrixForm(False, reason)
         has_lane = spec.tensors[slot.tensor].has_lane
         states.append(MatrixState(slot, sym, d, _log_abs(d), bool(d.is_positive),
-                                  bool(d.free_symbols & vector), terms, has_lane))
+                                  bool(d.free_symbols & vector), terms, has_lane, low_rank))
 
     by_symbol = {st.symbol: st for st in states}
+    probes = {p for st in states for p, _, _ in st.low_rank}  # known per step once solved
     readouts = []
     dependent: set = set()
     for r in ir.reductions:  # by level: a reduction reads only lower levels
         reads = r.body.free_symbols & (set(state_syms) | dependent)
         if not reads:
             continue
-        if reads & dependent:
+        if reads & (dependent - probes):
             return MatrixForm(False, f"the sum {r.target} = Σ({r.body}) reads the state through "
                                      "another sum")
+        weights = {}
+        for p in reads & probes:
+            w = sympy.diff(r.body, p)
+            if w.free_symbols & (set(state_syms) | probes):
+                return MatrixForm(False, f"the sum {r.target} = Σ({r.body}) is not linear in "
+                                         f"the read {p}")
+            weights[p] = w
+        reads -= probes
         coefficients = {}
         for s in reads:
             c = sympy.diff(r.body, s)
@@ -209,8 +245,8 @@ def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
             if q is not None:
                 coefficients[s] = q
                 decayed.add(s)
-        rest = r.body.subs({s: 0 for s in reads})
-        readouts.append(Readout(r.target, coefficients, rest, frozenset(decayed)))
+        rest = r.body.xreplace({s: 0 for s in (*reads, *weights)})
+        readouts.append(Readout(r.target, coefficients, rest, frozenset(decayed), weights))
         dependent.add(r.target)
     for slot, e in ir.outputs.items():
         if e.free_symbols & set(state_syms):

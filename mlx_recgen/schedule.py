@@ -248,6 +248,12 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         if not form.time_parallel:
             raise ValueError(f"{spec.name}(): schedule='chunked' needs a state-affine recurrence, "
                              f"and {form.reason}; use schedule='sequential'")
+        if not form.block_diagonal:  # a delta rule: its chunks are the matrix form's
+            if not rec.matrix.applies:
+                raise ValueError(f"{spec.name}(): schedule='chunked' has no form for it: "
+                                 f"{chunked_misfit(rec)}, and {rec.matrix.reason}; use "
+                                 "schedule='sequential'")
+            requested = "matrix"
     if requested == "scan":
         misfit = scan_misfit(rec)
         if misfit:
@@ -273,7 +279,7 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         busy = (kernels and _lane_width(spec, sizes) * _state_floats(spec, sizes)
                 >= CHUNKED_MAX_SEQUENTIAL_WORK)
         parallel = kernels or mlx_time_parallel_pays()
-        kind = ("chunked" if form.time_parallel and parallel and L >= 2 * chunk and not busy
+        kind = ("chunked" if form.block_diagonal and parallel and L >= 2 * chunk and not busy
                 else "sequential")
         if kind == "chunked" and seg is None and backend in SCAN_AUTO_BACKENDS \
                 and not scan_misfit(rec):
@@ -316,14 +322,26 @@ SCAN_MAX_RUN = 8
 SCAN_MAX_BLOCK = 4  # the largest multiplier block (K x K) the scan composes
 
 
+def chunked_misfit(rec) -> str:
+    """Why the chunked schedule's segment summaries cannot serve the recurrence ("" when
+    they can): they compose block-diagonal multipliers (``AffineForm.block_diagonal``)."""
+    form = rec.affine
+    if not form.time_parallel:
+        return form.reason
+    if form.low_rank:
+        return ("its multiplier is diagonal plus low rank over the state axis (a delta rule), "
+                "whose chunks compose K x K products: schedule='matrix' runs them")
+    return ""
+
+
 def scan_misfit(rec) -> str:
     """Why ``schedule="scan"`` cannot run the recurrence ("" when it can): it needs a
     state-affine update (``affine.analyse``) with no state axis, blocks of at most
     ``SCAN_MAX_BLOCK`` slots, and every input and state along the lane axis (no gradient is
     reduced over lanes)."""
     spec, form = rec.spec, rec.affine
-    if not form.time_parallel:
-        return form.reason
+    if not form.block_diagonal:
+        return chunked_misfit(rec)
     if spec.state_axis is not None:
         return f"it has the state axis '{spec.state_axis}' (per lane a state of NS floats)"
     big = [b for b in form.blocks if b.size > SCAN_MAX_BLOCK]

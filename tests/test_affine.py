@@ -210,7 +210,7 @@ def _not_parallel():
                    outputs={"y": "B L P"})
     def delta_rule(h, k, v, n):
         r = rg.Sum(k[n] * h[n], n)
-        h[n] = h[n] + (v - r) * k[n]
+        h[n] = h[n] + (v - rg.tanh(r)) * k[n]  # a nonlinear read: no longer low rank
         return {"y": rg.Sum(h[n], n)}
 
     @rg.recurrence(lane="D", state={"h": "B D"}, inputs={"x": "B L D"}, outputs={"y": "B L D"})
@@ -230,7 +230,7 @@ def _not_parallel():
         h = 0.5 * h + x
         return {"y": h + rg.Sum(c[n], n)}
 
-    return {"delta_rule": (delta_rule, "reduction"), "tanh_rnn": (tanh_rnn, "not affine"),
+    return {"delta_rule": (delta_rule, "not linear in it"), "tanh_rnn": (tanh_rnn, "not affine"),
             "running_max": (running_max, "not affine"), "coupled": (coupled, "block-diagonal")}
 
 

@@ -17,14 +17,13 @@ from references import ZOO_REFERENCES, gla_ref, ssd_ref
 from test_zoo import _draw, _from_spec, _reference, _to_spec, _values_and_grads
 
 TOL = 1e-5
-MATRIX_ZOO = ["mamba2", "rwkv6", "hgrn2", "retnet"]  # the zoo's specs of the matrix form
+# the zoo's specs of the matrix form (the last three are delta rules: test_matrix_delta.py)
+MATRIX_ZOO = ["mamba2", "rwkv6", "hgrn2", "retnet", "deltanet", "gated_deltanet", "rwkv7"]
 OUTSIDE = {  # spec -> what the refusal names
     "mamba1": "varies along the lane axis",
     "rglru": "no state axis",
     "rotlru": "no state axis",
     "s4d": "2x2",
-    "deltanet": "not state-affine",
-    "gated_deltanet": "not state-affine",
     "mlstm": "not state-affine",
 }
 

@@ -141,7 +141,9 @@ def compare(name, backend, schedule="sequential", **call):
 
 ZOO = ["mamba1", "mamba2", "deltanet", "gated_deltanet", "rwkv6", "rwkv7", "hgrn2", "retnet",
        "mlstm", "mingru", "complex_lru", "s4d"]
-TIME_PARALLEL = ["mamba1", "mamba2", "rwkv6", "hgrn2", "retnet", "mingru", "complex_lru", "s4d"]
+TIME_PARALLEL = ["mamba1", "mamba2", "rwkv6", "hgrn2", "retnet", "mingru", "complex_lru", "s4d",
+                 "deltanet", "gated_deltanet", "rwkv7"]
+LOW_RANK = ["deltanet", "gated_deltanet", "rwkv7"]  # diagonal plus rank one: the matrix form
 
 
 def test_every_bundled_spec_is_in_the_zoo_or_the_original_four():
@@ -150,10 +152,13 @@ def test_every_bundled_spec_is_in_the_zoo_or_the_original_four():
 
 @pytest.mark.parametrize("name", ZOO)
 def test_time_parallel_flag(name):
-    """Affine in the state with a diagonal (or 2x2-block) multiplier: time-parallel. A delta
-    rule reads the state through a reduction; the stabilised mLSTM's multiplier depends on its
-    running max."""
-    assert rg.load_spec(name).time_parallel == (name in TIME_PARALLEL)
+    """Affine in the state with a diagonal (or 2x2-block) multiplier, or a diagonal plus rank
+    one (a delta rule reads the state through a reduction and adds it back): time-parallel. The
+    stabilised mLSTM's multiplier depends on its running max."""
+    rec = rg.load_spec(name)
+    assert rec.time_parallel == (name in TIME_PARALLEL)
+    assert rec.affine.block_diagonal == (name in TIME_PARALLEL and name not in LOW_RANK)
+    assert bool(rec.affine.low_rank) == (name in LOW_RANK)
 
 
 def _assert_close(errors):

@@ -50,7 +50,7 @@ from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
 from ..render.scan import ScanRenderer, grad_type_name, run_type_name
-from ..schedule import (MetaLayout, history_rows, make_scan_schedule, make_schedule,
+from ..schedule import (MetaLayout, chunked_misfit, history_rows, make_scan_schedule, make_schedule,
                         scan_map_floats, scan_misfit, scan_run)
 
 
@@ -548,8 +548,8 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16,
         raise ValueError(f"schedule must be 'sequential', 'chunked' or 'scan', got {schedule!r}")
     if kind not in kinds:
         raise ValueError(f"the {schedule} schedule's kernels are {kinds}, got {kind!r}")
-    if schedule == "chunked" and not rec.time_parallel:
-        raise ValueError(f"{rec.name} has no chunked kernels: {rec.affine.reason}")
+    if schedule == "chunked" and not rec.affine.block_diagonal:
+        raise ValueError(f"{rec.name} has no chunked kernels: {chunked_misfit(rec)}")
     if schedule == "scan" and scan_misfit(rec):
         raise ValueError(f"{rec.name} has no scan kernels: {scan_misfit(rec)}")
     if seg is None:

@@ -209,8 +209,9 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
 
 def kernel_flags(form, st):
     """``(readout index, inclusive, signed)`` where the kernels serve state ``st`` of the matrix
-    form ``form`` (a scalar decay, one added term, one readout), else None."""
-    if st.vector_decay or len(st.terms) != 1:
+    form ``form`` (a scalar decay, one added term, one readout, no delta-rule read), else
+    None."""
+    if st.vector_decay or len(st.terms) != 1 or st.low_rank:
         return None
     reading = [i for i, ro in enumerate(form.readouts) if st.symbol in ro.coefficients]
     if len(reading) != 1:

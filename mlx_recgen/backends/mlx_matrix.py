@@ -118,6 +118,32 @@ def _carry(S0, whole, sign, U):
     return starts, final
 
 
+def unit_lower_inverse(A):
+    """``(I - A)⁻¹`` for ``A`` strictly lower triangular, ``(..., n, n)``: block forward
+    substitution with blocks doubling from 1, ``[[X, 0], [-A₂₁, Y]]⁻¹ = [[X⁻¹, 0], [Y⁻¹ A₂₁ X⁻¹,
+    Y⁻¹]]``, every block of one size at once (``log₂ n`` rounds of batched products; ``n`` is
+    padded to a power of two with zero rows). The same sums as substituting row by row, in
+    another order, and differentiable by MLX."""
+    n = A.shape[-1]
+    m = 1 << (n - 1).bit_length()
+    lead = A.shape[:-2]
+    if m != n:
+        A = mx.pad(A, [(0, 0)] * len(lead) + [(0, m - n), (0, m - n)])
+    T = mx.ones((*lead, m, 1, 1), dtype=A.dtype)  # the inverses of the diagonal blocks
+    size = 1
+    while size < m:
+        blocks = mx.moveaxis(mx.diagonal(A.reshape(*lead, m // (2 * size), 2 * size,
+                                                   m // (2 * size), 2 * size),
+                                         axis1=-4, axis2=-2), -1, -3)  # (..., m / 2s, 2s, 2s)
+        pairs = T.reshape(*lead, m // (2 * size), 2, size, size)
+        X, Y = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        below = Y @ blocks[..., size:, :size] @ X
+        T = mx.concatenate([mx.concatenate([X, mx.zeros_like(X)], axis=-1),
+                            mx.concatenate([below, Y], axis=-1)], axis=-2)
+        size *= 2
+    return T[..., 0, :n, :n]
+
+
 class _Members:
     """Arrays of a group axis against arrays of the batch-like axis it groups (position ``p``
     among the batch axes, ``n`` members a group): the member-level array is split into
@@ -193,25 +219,34 @@ class MatrixForm(SequentialForm):
             for r, (a, b) in enumerate(st.terms):
                 add(a, "a", s, r=r)
                 add(b, "b", s, r=r)
-        # the state-free part of each readout, Σ_n rest[n] = Σ_r b_r Σ_n a_r[n] (its lane
-        # factors taken out of the sum, so no [V, K] array is formed)
+            for r, (_, alpha, beta) in enumerate(st.low_rank):
+                add(alpha, "alpha", s, r=r)
+                add(beta, "beta", s, r=r)
+        # sums over the state axis of state-free parts, Σ_n rest[n] = Σ_r b_r Σ_n a_r[n] (their
+        # lane factors taken out of the sum, so no [V, K] array is formed)
         sums = []
-        for i, ro in enumerate(form.readouts):
-            for s, st in enumerate(form.states):
-                if st.symbol in ro.coefficients:
-                    add(ro.coefficients[st.symbol], "c", s, i)
-            rest = sympy.S.Zero
-            for term in sympy.Add.make_args(sympy.expand(ro.rest, deep=False, power_exp=False,
+
+        def lane_sum(expr, label):
+            total = sympy.S.Zero
+            for term in sympy.Add.make_args(sympy.expand(expr, deep=False, power_exp=False,
                                                          power_base=False, log=False)):
                 if term == 0:
                     continue
                 lane_part = [f for f in sympy.Mul.make_args(term)
                              if not f.free_symbols & set(ir.vector)]
                 inner = sympy.Mul(*[f for f in sympy.Mul.make_args(term) if f not in lane_part])
-                target = ir.namer(f"rest{i}_")
+                target = ir.namer(label)
                 sums.append((target, inner))
-                rest += sympy.Mul(*lane_part) * target
-            add(rest, "rest", None, i)
+                total += sympy.Mul(*lane_part) * target
+            return total
+
+        for i, ro in enumerate(form.readouts):
+            for s, st in enumerate(form.states):
+                if st.symbol in ro.coefficients:
+                    add(ro.coefficients[st.symbol], "c", s, i)
+            add(lane_sum(ro.rest, f"rest{i}_"), "rest", None, i)
+            for p, w in ro.reads.items():  # the weight of a delta rule's read ρ: Σ_n w[n] ρ
+                add(lane_sum(w, f"read{i}_"), "read", None, i, p)
         self.factors = render_mlx(_program(ir, exprs, sums), "matrix_factors")
         self.group_factors = {g: (render_mlx(_program(ir, e), f"matrix_factors_{g}"), layout)
                               for g, (e, layout) in by_group.items()}
@@ -274,9 +309,10 @@ class MatrixForm(SequentialForm):
         for (what, s, i, r), x in zip(layout, results):
             x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
             st = self.form.states[s] if s is not None else None
-            if what in ("a", "c") or (what in ("log_decay", "decay") and st.vector_decay):
+            if what in ("a", "c", "alpha", "beta") or (what in ("log_decay", "decay")
+                                                       and st.vector_decay):
                 shape, drop = (*batch, T, 1, K), -2  # over the state axis
-            elif what in ("b", "rest"):
+            elif what in ("b", "rest", "read"):
                 lanes = V if st is None or st.has_lane else 1  # a shared state: one "lane"
                 shape, drop = (*batch, T, lanes, 1), -1  # over the lanes
             else:
@@ -305,8 +341,9 @@ class MatrixForm(SequentialForm):
         members = {g: _Members(spec.batch_axes.index(spec.groups[g]),
                                sizes[spec.groups[g]] // sizes[g]) for g in self.group_factors}
         chunks = MatrixChunks(T, seg, nb)
-        # readouts by chunk (*batch, nc, C, V), and those of the kernels' states (*batch, T, V)
-        readouts, direct = {}, {}
+        # readouts by chunk (*batch, nc, C, V), and those of the kernels' states (*batch, T, V);
+        # a delta rule's reads ρ by chunk, (*batch, nc, C, V), once solved
+        readouts, direct, reads = {}, {}, {}
         finals = []
         for s, st in enumerate(self.form.states):
             S0 = self._state(states, st, sizes)  # (*batch, K, V)
@@ -340,10 +377,17 @@ class MatrixForm(SequentialForm):
                     if not st.vector_decay else mm(mx.swapaxes(a * to_end, -1, -2), b)
                     for a, la, b in terms) if terms else \
                 mx.zeros((*S0.shape[:nb], chunks.nc, *S0.shape[nb:]))
-            S_start, S = _carry(S0, whole[..., 0, :], sign_end, U)
+            if st.low_rank:  # a delta rule: its reads solved, they are one more added term
+                S_start, S, solved = self._solve_reads(st, s, f, terms, log_d, to_end, whole,
+                                                       U, S0, chunks, members)
+                reads.update(solved)
+                terms = terms + [(chunks.cut(f[("alpha", s, None, r)]), None, solved[p])
+                                 for r, (p, _, _) in enumerate(st.low_rank)]
+            else:
+                S_start, S = _carry(S0, whole[..., 0, :], sign_end, U)
             finals.append(S)
             for i, ro in enumerate(self.form.readouts):
-                if st.symbol not in ro.coefficients:
+                if st.symbol not in ro.coefficients or ro.target in reads:
                     continue
                 c_t, lc = chunks.cut(f[("c", s, i, None)]), self.level[("c", s, i, None)]
                 if st.vector_decay:
@@ -373,8 +417,13 @@ class MatrixForm(SequentialForm):
                 readouts[i] = readouts.get(i, 0.0) + y
         env = {}
         for i, ro in enumerate(self.form.readouts):
+            if ro.target in reads:  # a delta rule's read: solved
+                env[ro.target] = chunks.join(reads[ro.target])[..., None]
+                continue
             y = chunks.join(readouts[i]) if i in readouts else 0.0
             y = y + direct[i] if i in direct else y
+            for p in ro.reads:
+                y = y + f[("read", None, i, p)] * chunks.join(reads[p])
             y = y[..., None] if isinstance(y, mx.array) else y
             env[ro.target] = y + f[("rest", None, i, None)]
         outs = self._call(self.post, env, self._block(values, T, sizes))
@@ -415,6 +464,50 @@ class MatrixForm(SequentialForm):
             flat(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0))[..., 0]
         y, S, _ = core(flat(c), flat(a), flat(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
+
+    def _solve_reads(self, st, s, f, terms, log_d, to_end, whole, U, S0, chunks, members):
+        """The states at every chunk's start and after the last chunk of a delta-rule state
+        (``matrix.py``), and its reads ``ρ`` by chunk ``(*batch, nc, C, V)``, by symbol.
+
+        Within a chunk the reads of every step and read ``r``, time-major (row ``t R + r``),
+        solve ``(I - A) ρ = B̂ S_start + Σ_terms W(β, a) b`` with ``A = W(β, α)`` strictly lower
+        triangular (``W``: the readouts' causal decay-weighted products, ``_scores``) and
+        ``B̂ = β ⊙ d(1..t-1)``: ``ρ = M S_start + ρ₀`` with ``M = T B̂``, ``ρ₀ = T Σ W(β, a) b``,
+        ``T = (I - A)⁻¹`` (the UT transform). The chunk then maps its start to its end through
+        ``P = d(1..C) + α̃ᵀ M`` (``α̃ = α ⊙ d(t+1..C)``), ``K x K``, with the offset
+        ``U + α̃ᵀ ρ₀``; the chunks pass their states on in order. All in fp32: the solve is where
+        precision goes."""
+        nb, R = len(self.rec.spec.batch_axes), len(st.low_rank)
+        vector = st.vector_decay
+        alphas = [chunks.cut(f[("alpha", s, None, r)]) for r in range(R)]
+        betas = [chunks.cut(f[("beta", s, None, r)]) for r in range(R)]
+
+        def time_major(xs):  # R arrays (..., C, X) -> (..., C R, X)
+            x = mx.stack(xs, axis=-2)
+            return x.reshape(*x.shape[:-3], -1, x.shape[-1])
+
+        def scores(c, a):
+            return self._scores(c, a, log_d, vector, mx.matmul)
+
+        A = mx.stack([mx.stack([scores(b, a) for a in alphas], axis=-1) for b in betas], axis=-3)
+        C = log_d.shape[-2]
+        T = unit_lower_inverse(A.reshape(*A.shape[:-4], C * R, C * R))
+        from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))
+        M = T @ time_major([b * from_start for b in betas])
+        inputs = [sum((scores(b, _spread(members, la, a)) @ x for a, la, x in terms),
+                      mx.zeros((*b.shape[:-1], U.shape[-1]))) for b in betas]
+        rho0 = T @ time_major(inputs)
+        alpha_end = mx.swapaxes(time_major([a * to_end for a in alphas]), -1, -2)
+        decay = mx.exp(whole[..., 0, :])  # (*batch, nc, 1 or K): d(1..C)
+        P = alpha_end @ M + decay[..., :, None] * mx.eye(S0.shape[-2])
+        offset = U + alpha_end @ rho0
+        starts, S = [], S0
+        for c in range(chunks.nc):
+            starts.append(S)
+            S = P[(slice(None),) * nb + (c,)] @ S + offset[(slice(None),) * nb + (c,)]
+        S_start = mx.stack(starts, axis=nb)
+        rho = (M @ S_start + rho0).reshape(*S_start.shape[:-2], C, R, S_start.shape[-1])
+        return S_start, S, {p: rho[..., r, :] for r, (p, _, _) in enumerate(st.low_rank)}
 
     @staticmethod
     def _scores(c, a, log_d, vector_decay, mm):
@@ -531,4 +624,4 @@ class MatrixForm(SequentialForm):
         return grads, d_init
 
 
-__all__ = ["MatrixForm", "SUB"]
+__all__ = ["MatrixForm", "SUB", "unit_lower_inverse"]
