@@ -26,7 +26,7 @@ chunk the reads solve a unit lower-triangular system (the UT transform of DeltaN
 representation): ``ρ = T (β ⊙ γ) S_start + T Σ_r W(β, a_r) b_r`` with ``T = (I - W(β, α))⁻¹``,
 ``W`` the same causal decay-weighted products as the readouts', so a chunk maps its starting
 state through a ``K x K`` matrix (``backends/mlx_matrix.py``). ``α`` and ``β`` must be free of
-the lane axis (one solve serves every lane) and the decay positive.
+the lane axis (one solve serves every lane).
 
 Outside the class (a multiplier that varies along the lane axis as in Mamba-1, per-lane scalar
 states as in RG-LRU, 2x2 blocks, nonlinear updates) ``analyse`` returns the reason.
@@ -199,9 +199,6 @@ def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
                                              f"{probe}, which varies along the lane axis (one "
                                              "triangular solve per chunk serves every lane only "
                                              "where it does not)")
-            if not d.is_positive:
-                return MatrixForm(False, f"the multiplier of '{label}' ({d}) has no known sign, "
-                                         "and its delta-rule read solves with positive decays")
         offset = ir.new_state[slot].xreplace({sym: 0, **{p: 0 for p, _, _ in low_rank}})
         terms, reason = _factor_terms(offset, vector, lane, label)
         if terms is None:

@@ -45,8 +45,8 @@ def bad_spec_files(tmp_path):
     (["show", "ssd", "--seg", "0"], r"show: --seg must be a positive integer, got 0"),
     (["show", "ssd", "--kernel", "carry", "--schedule", "sequential"],
      r"the sequential schedule's kernels are \('forward', 'backward'\), got 'carry'"),
-    (["show", "examples/delta_rule.py", "--kernel", "summary"], r"has no chunked kernels: the "
-                                                                r"update of state 'h' reads"),
+    (["show", "examples/delta_rule.py", "--kernel", "summary"], r"has no chunked kernels: its "
+                                                                r"multiplier is diagonal plus low"),
     (["check", "ssd", "--seg", "-2", "--backend", "mlx"], r"check: --seg must be a positive"),
     (["check", "ssd", "--backend", "tpu"], r"unknown backend 'tpu'; choose one of"),
     (["adjoint", "{dir}/syntax.py"], r"cannot load spec file '.*syntax.py': SyntaxError: "),

@@ -349,9 +349,9 @@ def test_bad_options_raise():
         GLA(16, num_heads=3)
     with pytest.raises(ValueError, match="num_blocks 5 does not divide"):
         RGLRU(16, num_heads=5)
-    with pytest.raises(ValueError, match="schedule='chunked' needs a state-affine"):
+    with pytest.raises(ValueError, match="schedule='scan' needs a state-affine"):
         GatedDeltaNet(16, num_heads=2, key_head_dim=4, value_head_dim=4,
-                      schedule="chunked", backend="mlx")(mx.zeros((1, 4, 16)))
+                      schedule="scan", backend="mlx")(mx.zeros((1, 4, 16)))
 
 
 def test_cache_starts_empty():

@@ -62,20 +62,28 @@ def _qkv(B, T, HV=H):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("schedule, HV", [("auto", H), ("matrix", H), ("matrix", 2 * H)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gated_delta_rule_packed_sequences(backend):
+def test_gated_delta_rule_packed_sequences(backend, schedule, HV):
+    """Also in the matrix schedule (the UT transform per chunk), with grouped value heads and
+    q, k normalised in the kernel."""
     T = CU[-1]
-    arrays = dict(**_qkv(1, T), g=_n(1, T, H, scale=0.3), beta=_n(1, T, H, scale=0.5),
-                  h0=_n(3, H, K, V, scale=0.5))
+    l2 = schedule == "matrix"
+    arrays = dict(**_qkv(1, T, HV), g=_n(1, T, HV, scale=0.3), beta=_n(1, T, HV, scale=0.5),
+                  h0=_n(3, HV, K, V, scale=0.5))
 
     def ours(q, k, v, g, beta, h0):
         o, ht = ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=h0,
                                                      output_final_state=True, cu_seqlens=CU,
-                                                     backend=backend, seg=4)
+                                                     use_qk_l2norm_in_kernel=l2,
+                                                     backend=backend, seg=4, schedule=schedule)
         return [o, ht]
 
     def ref(q, k, v, g, beta, h0):
         step = fla_delta_step(K ** -0.5)
+        if l2:
+            q, k = l2norm_ref(q), l2norm_ref(k)
+        q, k = (mx.repeat(x, HV // H, axis=2) for x in (q, k))
         return list(fla_sequences(step, [q, k, v, g, None, None, beta], h0, CU))
 
     _compare(ours, ref, arrays)
@@ -130,15 +138,16 @@ def test_gated_delta_rule_batch_defaults():
     _compare(ours, ref, arrays)
 
 
+@pytest.mark.parametrize("schedule", ["auto", "matrix"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_delta_rule_packed_sequences(backend):
+def test_delta_rule_packed_sequences(backend, schedule):
     T = CU[-1]
     arrays = dict(**_qkv(1, T), beta=_n(1, T, H, scale=0.5), h0=_n(3, H, K, V, scale=0.5))
 
     def ours(q, k, v, beta, h0):
         return list(ops.fused_recurrent_delta_rule(q, k, v, beta, 0.6, h0, True,
                                                    use_qk_l2norm_in_kernel=True, cu_seqlens=CU,
-                                                   backend=backend, seg=4))
+                                                   backend=backend, seg=4, schedule=schedule))
 
     def ref(q, k, v, beta, h0):
         step = fla_delta_step(0.6)

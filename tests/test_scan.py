@@ -189,7 +189,7 @@ def test_scan_on_the_mlx_backend_runs_the_chunked_form():
 @pytest.mark.parametrize("name, reason", [
     ("gla", "state axis"),  # a state of K x V per lane
     ("mamba1", "state axis"),  # per (channel, state element): see docs/scan.md
-    ("deltanet", "delta-rule"),  # not state-affine
+    ("deltanet", "low rank"),  # a delta rule: diagonal plus low rank
 ])
 def test_scan_outside_its_class_raises(name, reason):
     rec = rg.load_spec(name)

@@ -50,8 +50,8 @@ from ..render.dialects import DIALECTS
 from ..render.kernels import KernelRenderer
 from ..render.names import kernel_identifiers, kernel_name
 from ..render.scan import ScanRenderer, grad_type_name, run_type_name
-from ..schedule import (MetaLayout, chunked_misfit, history_rows, make_scan_schedule, make_schedule,
-                        scan_map_floats, scan_misfit, scan_run)
+from ..schedule import (MetaLayout, chunked_misfit, history_rows, make_scan_schedule,
+                        make_schedule, scan_map_floats, scan_misfit, scan_run)
 
 
 # Sizes of the memos: kernels by (kind, schedule, dtypes) — a schedule holds the bucketed

@@ -379,7 +379,8 @@ class MatrixForm(SequentialForm):
                 mx.zeros((*S0.shape[:nb], chunks.nc, *S0.shape[nb:]))
             if st.low_rank:  # a delta rule: its reads solved, they are one more added term
                 S_start, S, solved = self._solve_reads(st, s, f, terms, log_d, to_end, whole,
-                                                       U, S0, chunks, members)
+                                                       (sign, sign_ex, sign_end), U, S0, chunks,
+                                                       members)
                 reads.update(solved)
                 terms = terms + [(chunks.cut(f[("alpha", s, None, r)]), None, solved[p])
                                  for r, (p, _, _) in enumerate(st.low_rank)]
@@ -465,7 +466,8 @@ class MatrixForm(SequentialForm):
         y, S, _ = core(flat(c), flat(a), flat(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
 
-    def _solve_reads(self, st, s, f, terms, log_d, to_end, whole, U, S0, chunks, members):
+    def _solve_reads(self, st, s, f, terms, log_d, to_end, whole, signs, U, S0, chunks,
+                     members):
         """The states at every chunk's start and after the last chunk of a delta-rule state
         (``matrix.py``), and its reads ``ρ`` by chunk ``(*batch, nc, C, V)``, by symbol.
 
@@ -476,11 +478,18 @@ class MatrixForm(SequentialForm):
         ``T = (I - A)⁻¹`` (the UT transform). The chunk then maps its start to its end through
         ``P = d(1..C) + α̃ᵀ M`` (``α̃ = α ⊙ d(t+1..C)``), ``K x K``, with the offset
         ``U + α̃ᵀ ρ₀``; the chunks pass their states on in order. All in fp32: the solve is where
-        precision goes."""
+        precision goes. ``signs``: the running parities of a decay whose sign is not known
+        (``(sign(d(..t)), sign(d(..t-1)), sign(d(..C)))``, or Nones), folded into the factors of
+        ``t`` and ``j`` as in the readouts; ``to_end`` carries its own."""
         nb, R = len(self.rec.spec.batch_axes), len(st.low_rank)
         vector = st.vector_decay
+        sign, sign_ex, sign_end = signs
         alphas = [chunks.cut(f[("alpha", s, None, r)]) for r in range(R)]
         betas = [chunks.cut(f[("beta", s, None, r)]) for r in range(R)]
+        alphas_j = alphas  # as the later factor j of W(β, α)
+        if sign is not None:  # sign(d(j+1..t-1)) = sign(d(..t-1)) sign(d(..j))
+            alphas_j = [a * sign for a in alphas]
+            betas = [b * sign_ex for b in betas]
 
         def time_major(xs):  # R arrays (..., C, X) -> (..., C R, X)
             x = mx.stack(xs, axis=-2)
@@ -489,16 +498,24 @@ class MatrixForm(SequentialForm):
         def scores(c, a):
             return self._scores(c, a, log_d, vector, mx.matmul)
 
-        A = mx.stack([mx.stack([scores(b, a) for a in alphas], axis=-1) for b in betas], axis=-3)
+        A = mx.stack([mx.stack([scores(b, a) for a in alphas_j], axis=-1) for b in betas],
+                     axis=-3)
         C = log_d.shape[-2]
         T = unit_lower_inverse(A.reshape(*A.shape[:-4], C * R, C * R))
-        from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))
+        from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))  # |d(1..t-1)|
         M = T @ time_major([b * from_start for b in betas])
-        inputs = [sum((scores(b, _spread(members, la, a)) @ x for a, la, x in terms),
+
+        def term(a, la):
+            a = _spread(members, la, a)
+            return a if sign is None else a * sign
+
+        inputs = [sum((scores(b, term(a, la)) @ x for a, la, x in terms),
                       mx.zeros((*b.shape[:-1], U.shape[-1]))) for b in betas]
         rho0 = T @ time_major(inputs)
         alpha_end = mx.swapaxes(time_major([a * to_end for a in alphas]), -1, -2)
         decay = mx.exp(whole[..., 0, :])  # (*batch, nc, 1 or K): d(1..C)
+        if sign_end is not None:
+            decay = decay * sign_end[..., 0, :]
         P = alpha_end @ M + decay[..., :, None] * mx.eye(S0.shape[-2])
         offset = U + alpha_end @ rho0
         starts, S = [], S0

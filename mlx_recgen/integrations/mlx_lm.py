@@ -11,8 +11,9 @@ mlx-lm computes the recurrences of its state-space and linear-attention layers i
 Wherever a gradient is taken (mlx-lm's Metal kernels have none) and off Apple silicon, mlx-lm runs
 them as MLX ops: the SSD as a blockwise quadratic form, the other two as a Python loop over time.
 ``patch()`` routes all three through recurrences compiled by mlx-recgen (fused forward and
-backward; ``backend=`` and ``schedule=`` as for any recurrence, except that the delta rule, not
-state-affine, runs sequentially under ``schedule="chunked"``)::
+backward; ``backend=`` and ``schedule=`` as for any recurrence, except that the delta rule runs
+the matrix form under ``schedule="chunked"``, and sequentially where a mask holds its state (a
+``where`` over the update has no matrix form))::
 
     from mlx_recgen.integrations.mlx_lm import patch
 
@@ -187,10 +188,10 @@ def _bounded_decay(A_log, a, dt_bias, lower_bound):
 
 def _run(rec, options, *args, **kwargs):
     """``rec(*args, **kwargs)`` with the patch's backend and schedule, returning the final state
-    too. A request for the chunked schedule runs a recurrence that is not state-affine (the delta
-    rule) sequentially."""
+    too. A request for the chunked schedule runs a recurrence that neither its segment summaries
+    nor the matrix form serve (the masked delta rule) sequentially."""
     schedule = options["schedule"]
-    if schedule == "chunked" and not rec.time_parallel:
+    if schedule == "chunked" and not rec.affine.block_diagonal and not rec.matrix.applies:
         schedule = "sequential"
     if options["backend"] == "metal-sim":
         _evaluate_for_simulator([*args, *kwargs.values()])

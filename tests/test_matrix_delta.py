@@ -1,0 +1,299 @@
+"""Delta rules in the matrix schedule (``affine.LowRankRead``, ``matrix.py``, ``mlx_matrix.
+_solve_reads``): specs whose update reads the state through a sum and adds it back, against
+loops written here from the update rule, step by step, independent of the compiler. Outputs,
+final states and the gradient of every input and initial state, with L not a multiple of the
+chunk and L shorter than one chunk; a decay per key channel, grouped heads, two reads, an output
+of the read itself, a readout before the update; the chunked schedule taking the matrix
+form; refusals with their reasons; the precision of long chunks with beta up to 2 and keys not
+normalised. The zoo's delta rules against their papers' loops are in ``test_matrix.py``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_recgen as rg
+from conftest import KERNEL_BACKENDS, rel_err
+from test_zoo import _values_and_grads
+
+TOL = 2e-5
+b, L, H, K, V = 2, 11, 2, 4, 3
+
+
+def _n(*shape, scale=1.0):
+    return scale * mx.random.normal(shape)
+
+
+def _unit(*shape):
+    x = mx.random.normal(shape)
+    return x / mx.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _assert_matches(run, ref, inputs, states, tol=TOL):
+    ref_values, weights, ref_grads = _values_and_grads(ref, inputs, states)
+    values, _, grads = _values_and_grads(run, inputs, states, weights)
+    errors = [rel_err(v, r) for v, r in zip(values, ref_values)]
+    errors += [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+    assert max(errors) < tol, errors
+
+
+def _runner(rec, backend="mlx", schedule="matrix", seg=4):
+    def run(inputs, states):
+        y, S = rec(*inputs, initial_state=states[0], return_state=True, backend=backend,
+                   schedule=schedule, seg=seg)
+        return [y], [S]
+
+    return run
+
+
+def _delta_loop(q, k, v, beta, S, decay=None, members=1):
+    """``S <- decay S; S <- S + beta k (v - kᵀ S)ᵀ; o = Sᵀ q`` per step and head. q, k
+    ``[b, L, H / members, K]`` (one per group of ``members`` heads); v ``[b, L, H, V]``; beta
+    ``[b, L, H]``; decay ``[b, L, H]`` or ``[b, L, H, K]``; S ``[b, H, K, V]``."""
+    if members > 1:
+        q, k = (mx.repeat(x, members, axis=2) for x in (q, k))
+    ys = []
+    for t in range(q.shape[1]):
+        if decay is not None:
+            d = decay[:, t]
+            S = (d[..., None] if d.ndim == 3 else d[..., None, None]) * S
+        kt = k[:, t]
+        read = mx.sum(kt[..., None] * S, axis=-2)  # kᵀ S: [b, H, V]
+        S = S + beta[:, t, :, None, None] * kt[..., None] * (v[:, t] - read)[..., None, :]
+        ys.append(mx.sum(q[:, t][..., None] * S, axis=-2))
+    return mx.stack(ys, axis=1), S
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "gk": "B L H K",
+                       "beta": "B L H"},
+               outputs={"o": "B L H V"})
+def key_decay_delta(S, q, k, v, gk, beta, i):
+    """A delta rule with a decay per key channel (Kimi Delta Attention's form)."""
+    S[i] = rg.exp(gk[i]) * S[i]
+    r = rg.Sum(k[i] * S[i], i)
+    S[i] = S[i] + beta * (v - r) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+@pytest.mark.parametrize("seg", [4, 16])
+def test_a_decay_per_key_channel(seg):
+    mx.random.seed(1)
+    inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V), _n(b, L, H, K, scale=0.3),
+              mx.random.uniform(0, 2, (b, L, H))]
+    S0 = _n(b, H, K, V, scale=0.5)
+    assert key_decay_delta.matrix.states[0].vector_decay
+
+    def ref(i, s):
+        q, k, v, gk, beta = i
+        y, S = _delta_loop(q, k, v, beta, s[0], decay=mx.exp(gk))
+        return [y], [S]
+
+    _assert_matches(_runner(key_decay_delta, seg=seg), ref, inputs, [S0])
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L Hk K", "k": "B L Hk K", "v": "B L H V", "g": "B L H",
+                       "beta": "B L H"},
+               outputs={"o": "B L H V"}, groups={"Hk": "H"})
+def grouped_gated_delta(S, q, k, v, g, beta, i):
+    """Gated DeltaNet with a key head per group of value heads (Qwen3-Next's layout)."""
+    r = rg.Sum(k[i] * S[i], i)
+    S[i] = rg.exp(g) * S[i] + beta * (v - rg.exp(g) * r) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+@pytest.mark.parametrize("seg", [4, 16])
+@pytest.mark.parametrize("backend", ["mlx", *KERNEL_BACKENDS])
+def test_grouped_heads(seg, backend):
+    mx.random.seed(2)
+    Hv = 4
+    inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, Hv, V), _n(b, L, Hv, scale=0.3),
+              mx.random.uniform(0, 2, (b, L, Hv))]
+    S0 = _n(b, Hv, K, V, scale=0.5)
+
+    def ref(i, s):
+        q, k, v, g, beta = i
+        y, S = _delta_loop(q, k, v, beta, s[0], decay=mx.exp(g), members=Hv // H)
+        return [y], [S]
+
+    _assert_matches(_runner(grouped_gated_delta, backend, seg=seg), ref, inputs, [S0])
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "u": "B L H K", "v": "B L H V",
+                       "beta": "B L H"},
+               outputs={"o": "B L H V"})
+def two_reads(S, q, k, u, v, beta, i):
+    """Rank two: S <- (I - beta k kᵀ - u uᵀ / 2) S + k vᵀ."""
+    r = rg.Sum(k[i] * S[i], i)
+    w = rg.Sum(u[i] * S[i], i)
+    S[i] = S[i] - beta * k[i] * r - 0.5 * u[i] * w + k[i] * v
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+def test_two_reads():
+    mx.random.seed(3)
+    inputs = [_n(b, L, H, K), _unit(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V),
+              mx.random.uniform(0, 1.5, (b, L, H))]
+    S0 = _n(b, H, K, V, scale=0.5)
+    assert len(two_reads.affine.low_rank) == 2
+    assert "rank 2 transition" in two_reads.matrix.describe()
+
+    def ref(i, s):
+        q, k, u, v, beta = i
+        S, ys = s[0], []
+        for t in range(L):
+            kt, ut = k[:, t, ..., None], u[:, t, ..., None]
+            r = mx.sum(kt * S, axis=-2, keepdims=True)
+            w = mx.sum(ut * S, axis=-2, keepdims=True)
+            S = S - beta[:, t, :, None, None] * kt * r - 0.5 * ut * w + kt * v[:, t, :, None, :]
+            ys.append(mx.sum(q[:, t, ..., None] * S, axis=-2))
+        return [mx.stack(ys, axis=1)], [S]
+
+    for seg in (4, 16):
+        _assert_matches(_runner(two_reads, seg=seg), ref, inputs, [S0])
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "beta": "B L H"},
+               outputs={"o": "B L H V", "read": "B L H V"})
+def read_before_the_update(S, q, k, v, beta, i):
+    """A readout of the state before the update, gated by the delta rule's read, which is
+    also an output of its own."""
+    before = rg.Sum(q[i] * S[i], i)
+    r = rg.Sum(k[i] * S[i], i)
+    S[i] = S[i] + beta * (v - r) * k[i]
+    return {"o": before * rg.sigmoid(r), "read": r}
+
+
+def test_a_readout_before_the_update_and_the_read_as_an_output():
+    mx.random.seed(4)
+    inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V), mx.random.uniform(0, 2, (b, L, H))]
+    S0 = _n(b, H, K, V, scale=0.5)
+
+    def run(i, s):
+        (o, read), S = read_before_the_update(*i, initial_state=s[0], return_state=True,
+                                              backend="mlx", schedule="matrix", seg=4)
+        return [o, read], [S]
+
+    def ref(i, s):
+        q, k, v, beta = i
+        S, os_, reads = s[0], [], []
+        for t in range(L):
+            before = mx.sum(q[:, t, ..., None] * S, axis=-2)
+            r = mx.sum(k[:, t, ..., None] * S, axis=-2)
+            S = S + beta[:, t, :, None, None] * k[:, t, ..., None] * (v[:, t] - r)[..., None, :]
+            os_.append(before * mx.sigmoid(r))
+            reads.append(r)
+        return [mx.stack(os_, axis=1), mx.stack(reads, axis=1)], [S]
+
+    _assert_matches(run, ref, inputs, [S0])
+
+
+@pytest.mark.parametrize("backend", ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)])
+def test_the_chunked_schedule_takes_the_matrix_form(backend):
+    """A delta rule has no segment summaries of its own: ``schedule="chunked"`` runs its chunks
+    in the matrix form, bit for bit what ``schedule="matrix"`` gives."""
+    mx.random.seed(6)
+    rec = rg.load_spec("gated_deltanet")
+    args = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V), _n(b, L, H, scale=0.3),
+            mx.random.uniform(0, 2, (b, L, H))]
+    S0 = _n(b, H, K, V)
+    from mlx_recgen.schedule import choose
+
+    assert choose(rec, {"B": b, "L": L, "H": H, "K": K, "V": V}, "chunked", 4, backend)[0] \
+        == "matrix"
+    y1, S1 = rec(*args, initial_state=S0, return_state=True, backend=backend,
+                 schedule="chunked", seg=4)
+    y2, S2 = rec(*args, initial_state=S0, return_state=True, backend=backend,
+                 schedule="matrix", seg=4)
+    assert mx.array_equal(y1, y2) and mx.array_equal(S1, S2)
+    y3 = rec(*args, initial_state=S0, backend="mlx", schedule="sequential")
+    assert rel_err(y1, y3) < TOL
+    # auto keeps the sequential schedule for a delta rule (the matrix form by name only)
+    assert choose(rec, {"B": b, "L": 4096, "H": H, "K": K, "V": V}, "auto", None, backend)[0] \
+        == "sequential"
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "beta": "B L H V"},
+               outputs={"o": "B L H V"})
+def beta_per_value(S, q, k, v, beta, i):
+    r = rg.Sum(k[i] * S[i], i)
+    S[i] = S[i] + beta * (v - r) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V", "T": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V"},
+               outputs={"o": "B L H V"})
+def shared_read(S, T, q, k, v, i):
+    r = rg.Sum(k[i] * S[i], i)
+    S[i] = S[i] + (v - r) * k[i]
+    T[i] = 0.5 * T[i] + r * k[i]
+    return {"o": rg.Sum(q[i] * (S[i] + T[i]), i)}
+
+
+def test_refusals_name_the_reason():
+    """A read whose weight varies along the lanes is affine (time-parallel) but has no
+    triangular solve shared by the lanes; a read that feeds another state mixes the states."""
+    assert beta_per_value.time_parallel and not beta_per_value.matrix.applies
+    assert "varies along the lane axis" in beta_per_value.matrix.reason
+    args = [_n(1, 5, 1, K), _unit(1, 5, 1, K), _n(1, 5, 1, V), _n(1, 5, 1, V)]
+    with pytest.raises(ValueError, match="schedule='chunked' has no form for it"):
+        beta_per_value(*args, backend="mlx", schedule="chunked")
+    with pytest.raises(ValueError, match="schedule='matrix' needs the matrix form"):
+        beta_per_value(*args, backend="mlx", schedule="matrix")
+    y = beta_per_value(*args, backend="mlx")  # auto: sequential
+    assert rel_err(y, beta_per_value.reference(*args)) < TOL
+    assert not shared_read.time_parallel and "mixes them" in shared_read.affine.reason
+    text = rg.load_spec("deltanet").adjoint_ir().splitlines()[-1]
+    assert "rank 1 transition" in text and "UT transform" in text
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_long_chunks_beta_up_to_two_keys_not_normalised(dtype):
+    """The solve is where precision goes: chunks of 64 and a partial one, beta in [0, 2]
+    (``allow_neg_eigval``), keys of norm about 1 but not normalised, against the sequential
+    schedule in fp32; bf16 inputs (bf16 products within a chunk, fp32 solve) within 2e-2."""
+    mx.random.seed(7)
+    rec = rg.load_spec("gated_deltanet")
+    T = 150
+    args = [_n(b, T, H, 16), _n(b, T, H, 16, scale=16 ** -0.5), _n(b, T, H, 8),
+            mx.random.uniform(-0.2, 0, (b, T, H)), mx.random.uniform(0, 2, (b, T, H))]
+    S0 = _n(b, H, 16, 8)
+    want, S_want = rec(*args, initial_state=S0, return_state=True, backend="mlx",
+                       schedule="sequential")
+    got, S_got = rec(*[x.astype(dtype) for x in args], initial_state=S0, return_state=True,
+                     backend="mlx", schedule="matrix", seg=64)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    assert rel_err(got, want) < tol and rel_err(S_got, S_want) < tol
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H K",
+                       "beta": "B L H"},
+               outputs={"o": "B L H V"})
+def signed_gate_delta(S, q, k, v, g, beta, i):
+    """The gate given as the decay itself (mlx-lm's layout), so its sign is not known: the
+    solve carries it as a running parity."""
+    decayed = g[i] * S[i]
+    S[i] = decayed + beta * (v - rg.Sum(k[i] * decayed, i)) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+@pytest.mark.parametrize("seg", [4, 8])
+def test_a_decay_of_either_sign(seg):
+    mx.random.seed(8)
+    assert not signed_gate_delta.matrix.states[0].positive
+    inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V),
+              mx.random.uniform(-1, 1, (b, L, H, K)), mx.random.uniform(0, 2, (b, L, H))]
+    S0 = _n(b, H, K, V, scale=0.5)
+
+    def ref(i, s):
+        q, k, v, g, beta = i
+        y, S = _delta_loop(q, k, v, beta, s[0], decay=g)
+        return [y], [S]
+
+    _assert_matches(_runner(signed_gate_delta, seg=seg), ref, inputs, [S0])
