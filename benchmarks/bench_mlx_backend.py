@@ -79,7 +79,7 @@ def make_fns(rec, xs, chunked=True):
     for state-affine specs) and the loop."""
     n = len(xs)
     variants = {"mlx": lambda *a: rec(*a, backend="mlx", schedule="sequential")}
-    if chunked and rec.time_parallel:
+    if chunked and rec.affine.block_diagonal:
         variants["chunked"] = lambda *a: rec(*a, backend="mlx", schedule="chunked",
                                              seg=CHUNKED_SEG)
     variants["loop"] = rec.reference

@@ -276,7 +276,7 @@ def run_case(name, shape, with_loop, dtype, reps, rng, wanted=("sequential", "ch
     w = rng.standard_normal(tuple(shape[a] for a in out_shape)).astype(np.float32)
     mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
     row = dict(spec=name, shape=shape, dtype=dtype, runs={})
-    schedules = ["sequential"] + (["chunked"] if rec.time_parallel else []) + \
+    schedules = ["sequential"] + (["chunked"] if rec.affine.block_diagonal else []) + \
         (["matrix"] if rec.matrix.applies else []) + (["scan"] if not scan_misfit(rec) else [])
     schedules = [s for s in schedules if s in wanted]
     if with_loop and dtype == "float32" and "loop" in wanted:
