@@ -51,7 +51,6 @@ from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
 
 LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
 SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
-SMALL_BLOCK = 8  # unit_lower_inverse: blocks up to this size multiply elementwise
 
 
 def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> Program:
@@ -139,20 +138,11 @@ def unit_lower_inverse(A):
                                          axis1=-4, axis2=-2), -1, -3)  # (..., m / 2s, 2s, 2s)
         pairs = T.reshape(*lead, m // (2 * size), 2, size, size)
         X, Y = pairs[..., 0, :, :], pairs[..., 1, :, :]
-        below = _small_matmul(_small_matmul(Y, blocks[..., size:, :size]), X)
+        below = Y @ blocks[..., size:, :size] @ X
         T = mx.concatenate([mx.concatenate([X, mx.zeros_like(X)], axis=-1),
                             mx.concatenate([below, Y], axis=-1)], axis=-2)
         size *= 2
     return T[..., 0, :n, :n]
-
-
-def _small_matmul(x, y):
-    """``x @ y``; blocks of at most ``SMALL_BLOCK`` rows as a broadcast product and a sum,
-    which fuse with their neighbours, instead of a batched GEMM of tiny matrices (an H100, 8192
-    inverses of 64 x 64: the rounds of 1 to 8 rows as GEMMs took most of 3.8 ms)."""
-    if x.shape[-1] > SMALL_BLOCK:
-        return x @ y
-    return mx.sum(x[..., :, :, None] * y[..., None, :, :], axis=-2)
 
 
 @unit_lower_inverse.vjp
