@@ -120,6 +120,8 @@ def _log_abs(d: sympy.Expr) -> sympy.Expr:
         return -softplus(-d.args[0])
     if isinstance(d, sympy.Pow) and d.exp.is_number:
         return d.exp * _log_abs(d.base)
+    if isinstance(d, sympy.Piecewise):  # a mask that holds the state: log 1 = 0 there
+        return sympy.Piecewise(*[(_log_abs(e), c) for e, c in d.args])
     if d.is_number:
         return sympy.log(abs(d))
     return sympy.log(sympy.Abs(d))
@@ -139,12 +141,42 @@ def _factor_terms(offset: sympy.Expr, vector: set, lane: set, label: str):
         for f in sympy.Mul.make_args(term):
             on_state, on_lane = bool(f.free_symbols & vector), bool(f.free_symbols & lane)
             if on_state and on_lane:
-                return None, (f"the update of '{label}' adds {term}, whose factor {f} varies over "
-                              "both the state axis and the lane axis (not an outer product)")
+                split = _split_piecewise(f, vector, lane)
+                if split is None:
+                    return None, (f"the update of '{label}' adds {term}, whose factor {f} varies "
+                                  "over both the state axis and the lane axis (not an outer "
+                                  "product)")
+                key.append(split[0])
+                value.append(split[1])
+                continue
             (key if on_state or f.is_number else value).append(f)
         b = sympy.Mul(*value)
         by_value[b] = by_value.get(b, sympy.S.Zero) + sympy.Mul(*key)
     return tuple((a, b) for b, a in by_value.items() if a != 0), ""
+
+
+def _split_piecewise(f: sympy.Expr, vector: set, lane: set):
+    """``(a, b)`` with ``f = a * b``, ``a`` over the state axis and ``b`` free of it, for a
+    ``Piecewise`` whose conditions read neither axis (a mask that holds the state: ``where(mask,
+    B[n] x, 0)`` is ``B[n] * where(mask, x, 0)``) and whose nonzero branches share their factor
+    over the state axis; else None."""
+    if not isinstance(f, sympy.Piecewise) or any(c.free_symbols & (vector | lane)
+                                                  for _, c in f.args):
+        return None
+    common, branches = None, []
+    for e, c in f.args:
+        if e == 0:
+            branches.append((e, c))
+            continue
+        factors = sympy.Mul.make_args(e)
+        a = sympy.Mul(*[x for x in factors if x.free_symbols & vector])
+        if common is not None and a != common:
+            return None
+        common = a
+        branches.append((sympy.Mul(*[x for x in factors if not x.free_symbols & vector]), c))
+    if common is None or common.free_symbols & lane:
+        return None
+    return common, sympy.Piecewise(*branches)
 
 
 def _without(c: sympy.Expr, d: sympy.Expr):

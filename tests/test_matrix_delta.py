@@ -324,3 +324,67 @@ def test_the_unit_lower_inverse_and_its_gradient(n):
         fd = np.sum((plus - minus) * Gn, axis=(1, 2)) / (2 * eps)
         assert np.abs(grad[:, i, j] - fd).max() < 1e-3
     assert np.abs(np.triu(grad)).max() == 0  # A's free entries only
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "beta": "B L H",
+                       "mask": "B L"},
+               outputs={"o": "B L H V"})
+def masked_delta(S, q, k, v, beta, mask, i):
+    """Padding holds the state (``where``): the read's weight and the added term are
+    piecewise, their factor over the state axis shared by the branches."""
+    r = rg.Sum(k[i] * S[i], i)
+    S[i] = rg.where(mask, S[i] + rg.sigmoid(beta) * (v - r) * k[i], S[i])
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+@rg.recurrence(lane="P", state={"h": "B H P N"},
+               inputs={"x": "B L H P", "dt": "B L H", "A": "H N", "Bm": "B L H N",
+                       "C": "B L H N", "mask": "B L"},
+               outputs={"y": "B L H P"})
+def masked_ssd(h, x, dt, A, Bm, C, mask, n):
+    """SSD whose padding holds the state (mlx-lm's masked scan): a piecewise decay."""
+    h[n] = rg.where(mask, rg.exp(dt * A[n]) * h[n] + dt * Bm[n] * x, h[n])
+    return {"y": rg.Sum(C[n] * h[n], n)}
+
+
+def test_a_mask_that_holds_the_state():
+    mx.random.seed(5)
+    mask = mx.arange(L)[None] < mx.array([[L], [7]])
+    keep = mask.astype(mx.float32)
+    assert masked_delta.matrix.applies, masked_delta.matrix.reason
+    assert masked_ssd.matrix.applies, masked_ssd.matrix.reason
+
+    def run_delta(i, s):
+        y, S = masked_delta(*i, mask, initial_state=s[0], return_state=True, backend="mlx",
+                            schedule="matrix", seg=4)
+        return [y], [S]
+
+    def ref_delta(i, s):
+        q, k, v, beta = i
+        y, S = _delta_loop(q, k, v, mx.sigmoid(beta) * keep[..., None], s[0])
+        return [y], [S]
+
+    inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V), _n(b, L, H)]
+    _assert_matches(run_delta, ref_delta, inputs, [_n(b, H, K, V, scale=0.5)])
+
+    def run_ssd(i, s):
+        y, h = masked_ssd(*i, mask, initial_state=s[0], return_state=True, backend="mlx",
+                          schedule="matrix", seg=4)
+        return [y], [h]
+
+    def ref_ssd(i, s):
+        x, dt, A, Bm, C = i
+        h, ys = s[0], []
+        for t in range(L):
+            m = keep[:, t, None, None, None]
+            new = mx.exp(dt[:, t, :, None, None] * A[None, :, None, :]) * h + \
+                dt[:, t, :, None, None] * Bm[:, t, :, None, :] * x[:, t, ..., None]
+            h = m * new + (1 - m) * h
+            ys.append(mx.sum(C[:, t, :, None, :] * h, axis=-1))
+        return [mx.stack(ys, axis=1)], [h]
+
+    P, N = 3, 4
+    inputs = [_n(b, L, H, P), mx.random.uniform(0.05, 0.6, (b, L, H)),
+              -mx.exp(_n(H, N, scale=0.5)), _n(b, L, H, N, scale=0.5), _n(b, L, H, N, scale=0.5)]
+    _assert_matches(run_ssd, ref_ssd, inputs, [_n(b, H, P, N, scale=0.5)])

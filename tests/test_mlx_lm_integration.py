@@ -189,8 +189,8 @@ def test_logits_loss_and_every_gradient(model_type, backend, models, recurrence_
 
 @pytest.mark.parametrize("model_type", ["mamba2", "qwen3_next", "recurrent_gemma"])
 def test_chunked_schedule(model_type, models, recurrence_calls):
-    """schedule="chunked": the SSD and RG-LRU run time-parallel, the delta rule (not
-    state-affine) sequentially."""
+    """schedule="chunked": the SSD and RG-LRU run time-parallel, the delta rule in the matrix
+    form (its chunks through the UT transform)."""
     model, batch = models(model_type), tokens((2, 41), seed=8)
 
     def run():
@@ -198,6 +198,24 @@ def test_chunked_schedule(model_type, models, recurrence_calls):
         return {"loss": loss, "grads": grads}
 
     want, got, routing = both(run, "mlx", "chunked")
+    assert_close(got, want, what=model_type)
+    assert routing.routed[HELPER_OF[model_type]] > 0 and not routing.fallbacks
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_matrix_schedule(model_type, models, recurrence_calls):
+    """schedule="matrix": a training step and a prefill then a decoded token, unchanged. The SSD
+    and the delta rules run the matrix form (a decoded token what auto picks), RG-LRU, which has
+    none, what auto picks."""
+    model, batch = models(model_type), tokens((2, 41), seed=9)
+
+    def run():
+        loss, grads = loss_and_gradients(model, batch)
+        cache = make_prompt_cache(model)
+        logits = [model(batch[:, :23], cache=cache), model(batch[:, 23:24], cache=cache)]
+        return {"loss": loss, "grads": grads, "logits": logits}
+
+    want, got, routing = both(run, "mlx", "matrix")
     assert_close(got, want, what=model_type)
     assert routing.routed[HELPER_OF[model_type]] > 0 and not routing.fallbacks
 

@@ -12,8 +12,8 @@ Wherever a gradient is taken (mlx-lm's Metal kernels have none) and off Apple si
 them as MLX ops: the SSD as a blockwise quadratic form, the other two as a Python loop over time.
 ``patch()`` routes all three through recurrences compiled by mlx-recgen (fused forward and
 backward; ``backend=`` and ``schedule=`` as for any recurrence, except that the delta rule runs
-the matrix form under ``schedule="chunked"``, and sequentially where a mask holds its state (a
-``where`` over the update has no matrix form))::
+the matrix form under ``schedule="chunked"``, and RG-LRU, which has no matrix form, what
+``auto`` picks under ``schedule="matrix"``)::
 
     from mlx_recgen.integrations.mlx_lm import patch
 
@@ -189,10 +189,13 @@ def _bounded_decay(A_log, a, dt_bias, lower_bound):
 def _run(rec, options, *args, **kwargs):
     """``rec(*args, **kwargs)`` with the patch's backend and schedule, returning the final state
     too. A request for the chunked schedule runs a recurrence that neither its segment summaries
-    nor the matrix form serve (the masked delta rule) sequentially."""
+    nor the matrix form serve sequentially; one for the matrix schedule runs a recurrence
+    without the matrix form (RG-LRU) as ``auto`` would."""
     schedule = options["schedule"]
     if schedule == "chunked" and not rec.affine.block_diagonal and not rec.matrix.applies:
         schedule = "sequential"
+    if schedule == "matrix" and not rec.matrix.applies:
+        schedule = "auto"
     if options["backend"] == "metal-sim":
         _evaluate_for_simulator([*args, *kwargs.values()])
     return rec(*args, backend=options["backend"], schedule=schedule, return_state=True, **kwargs)
