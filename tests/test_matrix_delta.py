@@ -388,3 +388,48 @@ def test_a_mask_that_holds_the_state():
     inputs = [_n(b, L, H, P), mx.random.uniform(0.05, 0.6, (b, L, H)),
               -mx.exp(_n(H, N, scale=0.5)), _n(b, L, H, N, scale=0.5), _n(b, L, H, N, scale=0.5)]
     _assert_matches(run_ssd, ref_ssd, inputs, [_n(b, H, P, N, scale=0.5)])
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V", "n": "B H K"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "beta": "B L H"},
+               outputs={"o": "B L H V"})
+def normalised_delta(S, n, q, k, v, beta, i):
+    """Beside the delta rule's S, a state shared by the lanes with its own read and a decay:
+    ``n <- 0.9 n + beta k (1 - kᵀ n)``; the output divides by a readout of it."""
+    r = rg.Sum(k[i] * S[i], i)
+    rn = rg.Sum(k[i] * n[i], i)
+    S[i] = S[i] + beta * (v - r) * k[i]
+    n[i] = 0.9 * n[i] + beta * (1 - rn) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i) / (1 + rg.Sum(q[i] * n[i], i) ** 2)}
+
+
+def test_a_shared_state_with_its_own_read():
+    """Also the reference's sums: a lane-free body summed over the state axis stays lane-free,
+    so a shared state's update keeps its shape."""
+    mx.random.seed(9)
+    inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V), mx.random.uniform(0, 2, (b, L, H))]
+    states = [_n(b, H, K, V, scale=0.5), _n(b, H, K, scale=0.5)]
+    assert [len(st.low_rank) for st in normalised_delta.matrix.states] == [1, 1]
+
+    def run(fn, **kw):
+        def call(i, s):
+            y, f = fn(*i, initial_state={"S": s[0], "n": s[1]}, return_state=True, **kw)
+            return [y], [f["S"], f["n"]]
+        return call
+
+    def ref(i, s):
+        q, k, v, beta = i
+        S, n, ys = s[0], s[1], []
+        for t in range(L):
+            kt, bt = k[:, t], beta[:, t, :, None]
+            r = mx.sum(kt[..., None] * S, axis=-2)
+            S = S + bt[..., None] * kt[..., None] * (v[:, t] - r)[..., None, :]
+            rn = mx.sum(kt * n, axis=-1, keepdims=True)
+            n = 0.9 * n + bt * (1 - rn) * kt
+            qn = mx.sum(q[:, t] * n, axis=-1, keepdims=True)
+            ys.append(mx.sum(q[:, t][..., None] * S, axis=-2) / (1 + qn ** 2))
+        return [mx.stack(ys, axis=1)], [S, n]
+
+    _assert_matches(run(normalised_delta, backend="mlx", schedule="matrix", seg=4), ref, inputs,
+                    states)
+    _assert_matches(run(normalised_delta.reference), ref, inputs, states)

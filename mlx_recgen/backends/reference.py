@@ -76,9 +76,11 @@ class Evaluator:
             if ex == sympy.Rational(-1, 2):
                 return mx.rsqrt(base)
             return mx.power(base, self(ex))
-        if isinstance(e, Reduce):
-            body = mx.broadcast_to(_array(self(args[0])), self.vector_shape)
-            return mx.sum(body, axis=-1, keepdims=True)
+        if isinstance(e, Reduce):  # over the state axis only: a lane-free body stays lane-free
+            body, full = _array(self(args[0])), self.vector_shape
+            body = body.reshape((1,) * (len(full) - body.ndim) + body.shape)
+            return mx.sum(mx.broadcast_to(body, (*body.shape[:-1], full[-1])), axis=-1,
+                          keepdims=True)
         if e.func in _UNARY:
             return _UNARY[e.func](self(args[0]))
         if isinstance(e, sympy.Piecewise):
