@@ -305,7 +305,8 @@ def test_rwkv6_packed_sequences_in_reverse(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rwkv7_packed_sequences(backend):
+@pytest.mark.parametrize("schedule", ["auto", "matrix"])
+def test_rwkv7_packed_sequences(backend, schedule):
     T = CU[-1]
     arrays = dict(r=_n(1, T, H, K, scale=0.5), w=_n(1, T, H, K, scale=0.3),
                   k=_n(1, T, H, K, scale=0.5), v=_n(1, T, H, V), a=_n(1, T, H, K, scale=0.4),
@@ -313,7 +314,7 @@ def test_rwkv7_packed_sequences(backend):
 
     def ours(r, w, k, v, a, b, h0):
         return list(ops.fused_recurrent_rwkv7(r, w, k, v, a, b, initial_state=h0, cu_seqlens=CU,
-                                              backend=backend, seg=4))
+                                              backend=backend, seg=4, schedule=schedule))
 
     def ref(r, w, k, v, a, b, h0):
         return list(fla_sequences(fla_rwkv7_step(K ** -0.5), [r, w, k, v, a, b], h0, CU))
