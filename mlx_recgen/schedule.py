@@ -219,7 +219,8 @@ def lane_reduced_rows(spec: Spec, state_size: int) -> tuple:
 def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     """The schedule and segment length of one call: ``(kind, seg)``.
 
-    ``auto`` runs ``chunked`` when the recurrence is state-affine, the sequence holds at least
+    ``auto`` runs ``chunked`` when the recurrence is state-affine with a block-diagonal
+    multiplier (``AffineForm.block_diagonal``), the sequence holds at least
     two chunks and, on a kernel backend, one sequential step would not already fill the GPU
     (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the ``mlx`` backend the device is a GPU
     (``mlx_time_parallel_pays``); else ``sequential``.
@@ -230,8 +231,10 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     outputs before it (docs/matrix.md); on the CPU it is the fastest pure-MLX form (a Mamba-2
     model's training step 1.02 s against 1.98 s sequential, ``benchmarks/bench_models.py``).
     ``matrix`` on a call of one step runs what ``auto`` picks.
-    ``chunked`` on a recurrence that is not state-affine, and ``matrix`` on one without the
-    matrix form (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
+    ``chunked`` on a delta rule (state-affine, its multiplier diagonal plus low rank: no
+    segment summaries) runs ``matrix`` where the matrix form applies. ``chunked`` on a
+    recurrence that is not state-affine, and ``matrix`` on one without the matrix form
+    (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
     interval, which is also the chunk length) is chosen when not given; it may exceed ``L``.
 
     ``scan`` needs ``scan_misfit`` to find nothing; its ``seg`` is the run of steps of one
