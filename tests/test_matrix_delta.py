@@ -14,9 +14,9 @@ import pytest
 
 import mlx_recgen as rg
 from conftest import KERNEL_BACKENDS, rel_err
-from test_zoo import _values_and_grads
+from test_matrix import _assert_matches
 
-TOL = 2e-5
+TOL = 1e-5
 b, L, H, K, V = 2, 11, 2, 4, 3
 
 
@@ -27,14 +27,6 @@ def _n(*shape, scale=1.0):
 def _unit(*shape):
     x = mx.random.normal(shape)
     return x / mx.linalg.norm(x, axis=-1, keepdims=True)
-
-
-def _assert_matches(run, ref, inputs, states, tol=TOL):
-    ref_values, weights, ref_grads = _values_and_grads(ref, inputs, states)
-    values, _, grads = _values_and_grads(run, inputs, states, weights)
-    errors = [rel_err(v, r) for v, r in zip(values, ref_values)]
-    errors += [rel_err(g, r) for g, r in zip(grads, ref_grads)]
-    assert max(errors) < tol, errors
 
 
 def _runner(rec, backend="mlx", schedule="matrix", seg=4):
