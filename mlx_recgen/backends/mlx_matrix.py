@@ -176,14 +176,16 @@ def _chunks(x):
 
 @chunk_chain.vjp
 def _chunk_chain_vjp(primals, cotangents, outputs):
+    """Only ``λ`` runs in order (one product a chunk, ``Pᵀ`` transposed once); ``Ū_c = λ_{c+1}``
+    and ``P̄_c = λ_{c+1} S_cᵀ`` follow for all chunks in one product."""
     P, U, _ = primals
     d_starts, lam = cotangents
-    d_P, d_U = [], []
-    for P_c, S_c, d_c in reversed(list(zip(_chunks(P), _chunks(outputs[0]), _chunks(d_starts)))):
-        d_U.append(lam)
-        d_P.append(lam @ mx.swapaxes(S_c, -1, -2))
-        lam = mx.swapaxes(P_c, -1, -2) @ lam + d_c
-    return mx.stack(d_P[::-1], axis=-3), mx.stack(d_U[::-1], axis=-3), lam
+    lams = []
+    for P_t, d_c in reversed(list(zip(_chunks(mx.swapaxes(P, -1, -2)), _chunks(d_starts)))):
+        lams.append(lam)
+        lam = P_t @ lam + d_c
+    d_U = mx.stack(lams[::-1], axis=-3)
+    return d_U @ mx.swapaxes(outputs[0], -1, -2), d_U, lam
 
 
 class _Members:
