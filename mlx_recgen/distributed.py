@@ -90,6 +90,7 @@ from .backends.mlx_chunked import _apply as _apply_term
 from .backends.mlx_chunked import _compose as _compose_term
 from .backends.reference import Evaluator
 from .layout import declared_shape, from_canonical, to_canonical
+from .schedule import MATRIX_CHUNK
 from .spec import Slot
 
 HEADER_SIZE = 16
@@ -142,10 +143,16 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
     sizes = dict(plan.sizes)
     _check_chunks(rec, group, sizes)
     checked = _LAST[_key(group)]
-    build = _affine_function if rec.affine.block_diagonal else _pipeline_function
     # the plan's recurrence: the twin without gradients for bool and integer inputs, when the
     # call has some
-    fn = build(plan, group, _Rules(group, checked))
+    rules = _Rules(group, checked)
+    if rec.affine.block_diagonal:
+        fn = _affine_function(plan, group, rules)
+    elif _LowRankPasses.applies(rec):  # the matrix form's chunk maps summarise a chunk
+        matrix = rec.plan_for(call, backend="mlx", schedule="matrix").backend.matrix
+        fn = _affine_function(plan, group, rules, matrix)
+    else:
+        fn = _pipeline_function(plan, group, rules)
     try:
         results = fn(*call.inputs, *call.states)
     except Exception:  # its collectives are abandoned (alike on every rank): do not chain them
@@ -408,24 +415,19 @@ def _advance(form, products: dict, h: dict, offsets: dict) -> dict:
     return out
 
 
-class _Products:
-    """Product entries of every block as one flat fp32 vector, in a fixed order, each
-    broadcast to ``(batch..., lane, state axis or 1)`` (the state axis for blocks whose
-    multiplier varies over it): the same layout on every rank, whichever way its chunk's
-    product was computed."""
+class _FlatMaps:
+    """Arrays by key, of fixed shapes (``shapes``), as one flat fp32 vector in a fixed order:
+    the same layout on every rank, whichever way its chunk's summary was computed."""
 
-    def __init__(self, rec, sizes):
-        spec = rec.spec
-        lead = (*[sizes[a] for a in spec.batch_axes], sizes[spec.lane])
-        ns = sizes[spec.state_axis] if spec.state_axis else 1
-        self.shapes = {(b, i, j): (*lead, ns if block.pointwise else 1)
-                       for b, block in enumerate(rec.affine.blocks)
-                       for i in range(block.size) for j in range(block.size)}
-        # and per block the chunk's count of zero hits, per state element with the state axis
-        self.shapes.update({(b, "hits"): (*lead, ns if block.vector else 1)
-                            for b, block in enumerate(rec.affine.blocks)})
-        self.keys = list(self.shapes)
-        self.size = sum(int(np.prod(s)) for s in self.shapes.values())
+    shapes: dict
+
+    @property
+    def keys(self) -> list:
+        return list(self.shapes)
+
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(s)) for s in self.shapes.values())
 
     def flat(self, products: dict) -> mx.array:
         return mx.concatenate([mx.broadcast_to(products[k].astype(mx.float32),
@@ -438,6 +440,50 @@ class _Products:
             out[k] = x[at:at + n].reshape(self.shapes[k])
             at += n
         return out
+
+
+class _Products(_FlatMaps):
+    """Product entries of every block, each broadcast to ``(batch..., lane, state axis or 1)``
+    (the state axis for blocks whose multiplier varies over it), and the folds over ranks that
+    apply them (``_advance``, ``_apply``)."""
+
+    def __init__(self, rec, sizes):
+        self.form = rec.affine
+        spec = rec.spec
+        lead = (*[sizes[a] for a in spec.batch_axes], sizes[spec.lane])
+        ns = sizes[spec.state_axis] if spec.state_axis else 1
+        self.shapes = {(b, i, j): (*lead, ns if block.pointwise else 1)
+                       for b, block in enumerate(rec.affine.blocks)
+                       for i in range(block.size) for j in range(block.size)}
+        # and per block the chunk's count of zero hits, per state element with the state axis
+        self.shapes.update({(b, "hits"): (*lead, ns if block.vector else 1)
+                            for b, block in enumerate(rec.affine.blocks)})
+
+    def advance(self, products: dict, h: dict, offsets: dict) -> dict:
+        """``P h + b`` of one rank's chunk."""
+        return _advance(self.form, products, h, offsets)
+
+    def apply_transposed(self, products: dict, lam: dict) -> dict:
+        """``Pᵀ λ`` of one rank's chunk."""
+        return _apply(self.form, products, lam, transpose=True)
+
+
+class _Transitions(_FlatMaps):
+    """The chunk maps of delta-rule states: per state a ``K x K`` matrix per instance, shared
+    by the lanes (``S_end = P S_start + b``; the canonical states hold a lane's state as a row,
+    so ``P h`` is ``h Pᵀ``)."""
+
+    def __init__(self, rec, sizes):
+        spec = rec.spec
+        K = sizes[spec.state_axis]
+        self.shapes = {slot: (*[sizes[a] for a in spec.batch_axes], K, K)
+                       for slot in spec.state_slots()}
+
+    def advance(self, products: dict, h: dict, offsets: dict) -> dict:
+        return {s: h[s] @ mx.swapaxes(products[s], -1, -2) + offsets[s] for s in h}
+
+    def apply_transposed(self, products: dict, lam: dict) -> dict:
+        return {s: lam[s] @ products[s] for s in lam}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,6 +531,31 @@ class _Passes:
         """``(input gradients, start-state gradients)`` from the end adjoint (declared)."""
         return self.impl.backward(inputs, start, residuals, d_out, lam_end, self.sizes, self.seg,
                                   **self.options)
+
+
+class _LowRankPasses(_Passes):
+    """A chunk of a delta rule (every state's multiplier diagonal plus low rank, in the matrix
+    form): the backend's passes as in ``_Passes``, and ``P`` the matrix form's chunk maps
+    composed over the chunk (``MatrixForm.run(transitions=True)``), a ``K x K`` matrix per
+    instance, where per-step products would hold one per step."""
+
+    def __init__(self, rec, impl, seg, sizes, out_dtype, options, states, matrix):
+        super().__init__(rec, impl, seg, sizes, out_dtype, options, states)
+        self.matrix = matrix
+
+    @staticmethod
+    def applies(rec) -> bool:
+        form = rec.matrix
+        return bool(rec.affine.low_rank) and form.applies and all(st.low_rank
+                                                                  for st in form.states)
+
+    def summarise(self, inputs):
+        local_end = self.impl.forward(inputs, self.states.zeros(), self.sizes, self.seg,
+                                      self.out_dtype, **self.options)[1]
+        _, maps = self.matrix.run(inputs, self.states.zeros(), self.sizes, MATRIX_CHUNK,
+                                  transitions=True)
+        products = {st.slot: P for st, P in zip(self.rec.matrix.states, maps)}
+        return products, self.states.canonical(local_end), None
 
 
 class _Segments:
@@ -720,16 +791,22 @@ class _Rules:
         return fn
 
 
-def _affine_function(plan, group, rules):
+def _affine_function(plan, group, rules, matrix=None):
+    """``matrix``: for a delta rule, the matrix form whose chunk maps summarise the chunk
+    (``_LowRankPasses``)."""
     rec, impl, seg, out_dtype = plan.recurrence, plan.backend, plan.seg, plan.out_dtype
     sizes, options = dict(plan.sizes), dict(plan.options)
-    spec, form = rec.spec, rec.affine
+    spec = rec.spec
     n_in, n_out, n_state = len(spec.inputs), len(spec.outputs), len(spec.states)
     rank, size = group.rank(), group.size()
     states = _States(spec, sizes)
-    products = _Products(rec, sizes)
-    chunk = (_Segments if _Segments.applies(rec, impl, options) else _Passes)(
-        rec, impl, seg, sizes, out_dtype, options, states)
+    if matrix is not None:
+        products = _Transitions(rec, sizes)
+        chunk = _LowRankPasses(rec, impl, seg, sizes, out_dtype, options, states, matrix)
+    else:
+        products = _Products(rec, sizes)
+        chunk = (_Segments if _Segments.applies(rec, impl, options) else _Passes)(
+            rec, impl, seg, sizes, out_dtype, options, states)
 
     def unpack_summary(row):
         p, n = products.size, states.size
@@ -749,7 +826,7 @@ def _affine_function(plan, group, rules):
             if q == rank:
                 start = h
             p, b, _ = unpack_summary(gathered[q])
-            h = _advance(form, p, h, b)
+            h = products.advance(p, h, b)
         start = states.declared(start)
         outs, residuals = chunk.forward(inputs, start, memo)
         return (*outs, *states.declared(h), *start, gathered, *residuals)
@@ -767,7 +844,7 @@ def _affine_function(plan, group, rules):
         for q in range(1, size):  # the final state's cotangent, summed over ranks in rank order
             lam = {s: lam[s] + parts[q][1][s] for s in states.slots}
         for q in range(size - 1, rank, -1):  # λ_end_{q-1} = P_qᵀ λ_end_q + λloc_q
-            pt = _apply(form, unpack_summary(gathered[q])[0], lam, transpose=True)
+            pt = products.apply_transposed(unpack_summary(gathered[q])[0], lam)
             lam = {s: pt[s] + parts[q][0][s] for s in states.slots}
         grads, lam_start = chunk.backward(inputs, start, residuals, d_out, states.declared(lam),
                                           memo)

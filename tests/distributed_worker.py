@@ -62,7 +62,20 @@ def delta(h, q, k, v, beta, d, n):
     return {"y": rg.Sum(q[n] * h[n], n)}
 
 
-SPECS = {"decay": decay, "rot": rot, "delta": delta, "gla": rg.load_spec("gla")}
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H",
+                       "beta": "B L H"},
+               outputs={"o": "B L H V"})
+def gdelta(S, q, k, v, g, beta, i):
+    """A gated delta rule (a decay per head): its multiplier diagonal plus rank one, summarised
+    per rank by the matrix form's K x K chunk maps."""
+    r = rg.Sum(k[i] * S[i], i)
+    S[i] = g * S[i] + 2 * beta * (v - g * r) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
+SPECS = {"decay": decay, "rot": rot, "delta": delta, "gla": rg.load_spec("gla"),
+         "gdelta": gdelta}
 SIZES = {"B": 2, "H": 2, "K": 3, "V": 4, "P": 3, "N": 4}
 
 
@@ -86,7 +99,7 @@ def make_case(case):
         return mx.array(x)
 
     kinds = {"dt": "positive", "A": "positive", "a": "gate", "g": "gate", "w": "gate",
-             "c": "gate", "om": "gate"}
+             "c": "gate", "om": "gate", "beta": "gate"}
     inputs = [draw(t, kinds.get(n)) for n, t in spec.inputs.items()]
     states = [draw(t, None) for t in spec.states.values()]
     weights = [draw(t, None) for t in spec.outputs.values()]

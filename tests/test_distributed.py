@@ -166,10 +166,15 @@ CASES_2 = [
     # auto: chunked kernels on the long chunk, the sequential kernel on the short one
     {"name": "gla-sim-mixed", "spec": "gla", "backend": "metal-sim", "chunks": [40, 5],
      "seed": 10, "options": {"seg": 4}},
+    # a delta rule summarised by K x K chunk maps, on the sequential passes of each backend
+    {"name": "gdelta", "spec": "gdelta", "backend": "mlx", "chunks": [70, 9], "seed": 11},
+    {"name": "gdelta-sim", "spec": "gdelta", "backend": "metal-sim", "chunks": [6, 13],
+     "seed": 12, "options": {"seg": 4}},
 ]
 CASES_3 = [
     {"name": "decay", "spec": "decay", "backend": "mlx", "chunks": [4, 1, 6], "seed": 7},
     {"name": "delta", "spec": "delta", "backend": "mlx", "chunks": [3, 6, 2], "seed": 8},
+    {"name": "gdelta", "spec": "gdelta", "backend": "mlx", "chunks": [5, 1, 8], "seed": 13},
     {"name": "sizes", "spec": "decay", "backend": "mlx", "chunks": [2, 2, 2], "seed": 4,
      "error": "sizes"},
 ]
@@ -406,7 +411,8 @@ def _single(rec, inputs, states, **options):
 
 
 @pytest.mark.parametrize("name, backend", [("rot", "mlx"), ("delta", "mlx"),
-                                           ("rot", "metal-sim")])
+                                           ("rot", "metal-sim"), ("gdelta", "mlx"),
+                                           ("gdelta", "metal-sim")])
 def test_group_of_one_is_the_plain_call(name, backend):
     rec = worker.SPECS[name]
     case = {"spec": name, "chunks": [9], "seed": 3}

@@ -169,6 +169,15 @@ def chunk_chain(P, U, S0):
     return mx.stack(starts, axis=-3), S
 
 
+def _compose_chunk_maps(P):
+    """``P_{nc-1} ... P_0`` of chunk maps ``(..., nc, K, K)``, in order."""
+    maps = _chunks(P)
+    total = maps[0]
+    for P_c in maps[1:]:
+        total = P_c @ total
+    return total
+
+
 def _chunks(x):
     """``(..., nc, X, Y)`` as ``nc`` arrays ``(..., X, Y)``."""
     return [mx.squeeze(c, -3) for c in mx.split(x, x.shape[-3], axis=-3)]
@@ -367,10 +376,12 @@ class MatrixForm(SequentialForm):
         return out
 
     # -- one call --------------------------------------------------------------------------------
-    def run(self, inputs, states, sizes, seg, operands=mx.float32):
+    def run(self, inputs, states, sizes, seg, operands=mx.float32, transitions=False):
         """Outputs (canonical, ``(*batch, T, V, 1)``, fp32) and final states (``(*batch, K, V)``).
         ``operands``: the dtype of the products' operands within a chunk (accumulation and
-        the states between chunks stay fp32)."""
+        the states between chunks stay fp32). ``transitions``: instead, ``([], P)`` with ``P``
+        every state's ``K x K`` map of the whole call, ``S_end = P S_start + S_end(0)``, per
+        instance (delta-rule states only: sequence parallelism's summaries)."""
         spec = self.rec.spec
         nb = len(spec.batch_axes)
         T = sizes[spec.time]
@@ -421,10 +432,16 @@ class MatrixForm(SequentialForm):
                     if not st.vector_decay else mm(mx.swapaxes(a * to_end, -1, -2), b)
                     for a, la, b in terms) if terms else \
                 mx.zeros((*S0.shape[:nb], chunks.nc, *S0.shape[nb:]))
+            if transitions and not st.low_rank:
+                raise ValueError(f"{spec.name}: the transition maps of the matrix form are "
+                                 "those of delta-rule states")
             if st.low_rank:  # a delta rule: its reads solved, they are one more added term
-                S_start, S, solved = self._solve_reads(st, s, f, terms, log_d, to_end, whole,
-                                                       (sign, sign_ex, sign_end), U, S0, chunks,
-                                                       members)
+                S_start, S, solved, P = self._solve_reads(st, s, f, terms, log_d, to_end, whole,
+                                                          (sign, sign_ex, sign_end), U, S0,
+                                                          chunks, members)
+                if transitions:
+                    finals.append(_compose_chunk_maps(P))
+                    continue
                 reads.update(solved)
                 terms = terms + [(chunks.cut(f[("alpha", s, None, r)]), None, solved[p])
                                  for r, (p, _, _) in enumerate(st.low_rank)]
@@ -460,6 +477,8 @@ class MatrixForm(SequentialForm):
                                     mx.swapaxes(_spread(members, la, a), -1, -2)) * w
                     y = y + mm(scores, b)
                 readouts[i] = readouts.get(i, 0.0) + y
+        if transitions:
+            return [], finals
         env = {}
         for i, ro in enumerate(self.form.readouts):
             if ro.target in reads:  # a delta rule's read: solved
@@ -513,7 +532,8 @@ class MatrixForm(SequentialForm):
     def _solve_reads(self, st, s, f, terms, log_d, to_end, whole, signs, U, S0, chunks,
                      members):
         """The states at every chunk's start and after the last chunk of a delta-rule state
-        (``matrix.py``), and its reads ``ρ`` by chunk ``(*batch, nc, C, V)``, by symbol.
+        (``matrix.py``), its reads ``ρ`` by chunk ``(*batch, nc, C, V)`` by symbol, and its
+        chunk maps ``P`` ``(*batch, nc, K, K)``.
 
         Within a chunk the reads of every step and read ``r``, time-major (row ``t R + r``),
         solve ``(I - A) ρ = B̂ S_start + Σ_terms W(β, a) b`` with ``A = W(β, α)`` strictly lower
@@ -568,7 +588,7 @@ class MatrixForm(SequentialForm):
         offset = U + alpha_end @ rho0
         S_start, S = chunk_chain(P, offset, S0)
         rho = (M @ S_start + rho0).reshape(*S_start.shape[:-2], C, R, S_start.shape[-1])
-        return S_start, S, {p: rho[..., r, :] for r, (p, _, _) in enumerate(st.low_rank)}
+        return S_start, S, {p: rho[..., r, :] for r, (p, _, _) in enumerate(st.low_rank)}, P
 
     @staticmethod
     def _scores(c, a, log_d, vector_decay, mm):
