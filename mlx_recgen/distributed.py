@@ -14,7 +14,8 @@ the sum of all ranks' losses,
   gradients). The initial state's contribution is the whole gradient on rank 0 and zero on the
   other ranks.
 
-Two algorithms, chosen by the affine analysis (``rec.affine.block_diagonal``):
+Two algorithms, chosen by the affine analysis (``rec.affine.block_diagonal``, and for delta
+rules ``_LowRankPasses.applies``):
 
 * **State-affine recurrences** (``h' = M h + b``): no rank waits for another's scan. Every rank
   summarises its chunk: ``b_r``, its final state from a zero state, and ``P_r = M_last ...
@@ -50,6 +51,10 @@ Two algorithms, chosen by the affine analysis (``rec.affine.block_diagonal``):
     writes until the command batch that holds it completes, and MLX encodes far ahead of it,
     so with kernels a rank's peak there is about the sum of the buffers of all four passes:
     2/n of one device's on the whole sequence (with two ranks, as much).
+  - A delta rule (every state's multiplier diagonal plus low rank, with the matrix form) is
+    summarised the same way with ``P_r`` a ``K x K`` matrix per instance: the matrix form's
+    chunk maps composed over the rank's chunk (``_LowRankPasses``, ``_Transitions``), ``b_r``
+    and ``λloc_r`` from the backend's passes as above.
   The products and folds are the chunked schedule's (``affine.py``; ``_matmul``, ``_then``,
   ``_apply``): a zero state is no term, an underflowing product keeps its sign at the smallest
   normal float, and each rank's summary carries its count of zero hits, which the fold
