@@ -451,3 +451,21 @@ def test_transformations_through_the_solve():
         return mx.jvp(grad, [k], [mx.ones_like(k)])[1][0]
 
     assert rel_err(hvp("matrix"), hvp("sequential")) < 1e-4
+
+
+def test_non_finite_values_give_nan_never_a_finite_wrong_number():
+    """An infinite beta, or keys that overflow the reads: the solve and the chunk products
+    turn what they touch into NaN (docs/matrix.md); every output that stays finite equals the
+    sequential schedule's."""
+    mx.random.seed(11)
+    rec = rg.load_spec("gated_deltanet")
+    q, k, v = _n(1, 12, 2, K), _unit(1, 12, 2, K), _n(1, 12, 2, V)
+    g, beta = mx.random.uniform(-0.3, 0, (1, 12, 2)), mx.random.uniform(0, 1, (1, 12, 2))
+    inf_beta = mx.where(mx.arange(12)[None, :, None] == 5, float("inf"), beta)
+    for args in ([q, k, v, g, inf_beta], [q, k * 1e20, v, g, beta]):
+        want = rec(*args, backend="mlx", schedule="sequential")
+        got = rec(*args, backend="mlx", schedule="matrix", seg=4)
+        assert not mx.all(mx.isfinite(want)).item()
+        finite = mx.isfinite(got)
+        assert mx.all(mx.where(finite, mx.abs(got - want) <= 1e-5 * (1 + mx.abs(want)),
+                               mx.isnan(got))).item()
