@@ -456,12 +456,20 @@ class _Layout:
         # back: the present axes in declared order (components last, then moved into place)
         order = [present.index(a) if isinstance(a, str) else len(present) for a in t.axes]
         self.back = order
+        # the ops of each arrangement, by the shape of the array arranged (decided once: a
+        # decode step's layouts are arranged every call, and the decisions cost more Python
+        # than the ops they leave out)
+        self._to_parts, self._to_declared = {}, {}
 
     def parts(self, spec, x, sizes) -> list:
         if self.groups:
             x = expand_groups(spec, self.t, x, sizes)
-        x = _arranged(x, self.perm, self.shape + ([self.components] if self.components > 1
+        ops = self._to_parts.get(x.shape)
+        if ops is None:
+            ops = self._to_parts[x.shape] = _arrangement(
+                x.shape, self.perm, self.shape + ([self.components] if self.components > 1
                                                   else []))
+        x = _arranged(x, *ops)
         if self.components == 1:
             return [x]
         # a slice, not x[..., c] (a gather, whose vjp has no jvp)
@@ -469,18 +477,33 @@ class _Layout:
 
     def declared(self, parts: list) -> mx.array:
         x = mx.stack(parts, axis=-1) if self.components > 1 else parts[0]
-        x = _arranged(x, list(range(x.ndim)), self.present_shape)
-        return _arranged(x, self.back, [self.present_shape[i] for i in self.back])
+        ops = self._to_declared.get(x.shape)
+        if ops is None:
+            flat = _arrangement(x.shape, list(range(x.ndim)), self.present_shape)
+            ops = self._to_declared[x.shape] = (flat, _arrangement(
+                tuple(self.present_shape), self.back,
+                [self.present_shape[i] for i in self.back]))
+        return _arranged(_arranged(x, *ops[0]), *ops[1])
+
+
+def _arrangement(shape, perm, target) -> tuple:
+    """``(perm or None, target or None)``: the transpose and the reshape that take an array of
+    ``shape`` to ``reshape(transpose(x, perm), target)`` in as few ops as the sizes allow. A
+    transpose that keeps the order of the axes of size > 1 (a decode step's time and batch axes
+    are often of size 1) moves no element and is left out, and so is a reshape to the shape the
+    array has."""
+    moved = [i for i in perm if shape[i] > 1]
+    transpose = moved != sorted(moved)
+    after = tuple(shape[i] for i in perm) if transpose else tuple(shape)
+    return (perm if transpose else None), (None if after == tuple(target) else tuple(target))
 
 
 def _arranged(x, perm, shape) -> mx.array:
-    """``reshape(transpose(x, perm), shape)`` in as few ops as the sizes allow: a transpose
-    that keeps the order of the axes of size > 1 (a decode step's time and batch axes are often
-    of size 1) moves no element and is left out, and so is a reshape to the shape ``x`` has."""
-    moved = [i for i in perm if x.shape[i] > 1]
-    if moved != sorted(moved):
+    """``x`` transposed by ``perm`` and reshaped to ``shape``, each where not None
+    (``_arrangement``)."""
+    if perm is not None:
         x = mx.transpose(x, perm)
-    return x if x.shape == tuple(shape) else mx.reshape(x, shape)
+    return x if shape is None else mx.reshape(x, shape)
 
 
 COMPILE_MAX_STATE = 4096  # state elements per call up to which the decode path is compiled
@@ -548,9 +571,10 @@ class _Decoder:
         ones = [mx.ones((self.ns, 1))] if self.ones else []
         per_step = [[] for _ in range(self.n_out_parts)]
         fn = self.step.fn
+        one = self.steps == 1  # a decode step: the inputs' time axis is the step already
         for j in range(self.steps):
-            args = [state[i] if is_state else inputs[i][j:j + 1] if timed else inputs[i]
-                    for is_state, i, timed in self.sources]
+            args = [state[i] if is_state else inputs[i][j:j + 1] if timed and not one
+                    else inputs[i] for is_state, i, timed in self.sources]
             new = list(state)
             for (is_state, i), x in zip(self.results, fn(*ones, *args)):
                 if is_state:
