@@ -240,13 +240,15 @@ def _require(condition, reason: str):
 
 # MLX's floating dtypes a recurrence does not take (float64), found once: a decode step checks
 # each argument of each routed call against them
-_OTHER_FLOATS = tuple(d for d in vars(mx).values() if isinstance(d, mx.Dtype)
-                      and mx.issubdtype(d, mx.floating) and d not in FLOAT_DTYPES)
+_OTHER_FLOATS = frozenset(d for d in vars(mx).values() if isinstance(d, mx.Dtype)
+                          and mx.issubdtype(d, mx.floating) and d not in FLOAT_DTYPES)
 
 
 def _require_recurrence_dtypes(arguments: dict):
     """A recurrence takes float32, float16 and bfloat16 arrays; mlx-lm's MLX ops take float64
     too (on the CPU): such calls are the original's."""
+    if not any(type(x) is mx.array and x.dtype in _OTHER_FLOATS for x in arguments.values()):
+        return  # the common case, once per layer and token: no message to build
     other = {}
     for name, x in arguments.items():
         if isinstance(x, mx.array) and x.dtype in _OTHER_FLOATS:
