@@ -275,12 +275,27 @@ def signed_gate_delta(S, q, k, v, g, beta, i):
     return {"o": rg.Sum(q[i] * S[i], i)}
 
 
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H",
+                       "beta": "B L H"},
+               outputs={"o": "B L H V"})
+def signed_scalar_gate_delta(S, q, k, v, g, beta, i):
+    """The same with a gate per head: the read and the write run along the key, so the
+    solve's products share one causal matrix (``MatrixForm.along``)."""
+    decayed = g * S[i]
+    S[i] = decayed + beta * (v - rg.Sum(k[i] * decayed, i)) * k[i]
+    return {"o": rg.Sum(q[i] * S[i], i)}
+
+
 @pytest.mark.parametrize("seg", [4, 8])
-def test_a_decay_of_either_sign(seg):
+@pytest.mark.parametrize("per_key", [True, False])
+def test_a_decay_of_either_sign(seg, per_key):
     mx.random.seed(8)
-    assert not signed_gate_delta.matrix.states[0].positive
+    rec = signed_gate_delta if per_key else signed_scalar_gate_delta
+    assert not rec.matrix.states[0].positive
+    gate = (b, L, H, K) if per_key else (b, L, H)
     inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V),
-              mx.random.uniform(-1, 1, (b, L, H, K)), mx.random.uniform(0, 2, (b, L, H))]
+              mx.random.uniform(-1, 1, gate), mx.random.uniform(0, 2, (b, L, H))]
     S0 = _n(b, H, K, V, scale=0.5)
 
     def ref(i, s):
@@ -288,7 +303,7 @@ def test_a_decay_of_either_sign(seg):
         y, S = _delta_loop(q, k, v, beta, s[0], decay=g)
         return [y], [S]
 
-    _assert_matches(_runner(signed_gate_delta, seg=seg), ref, inputs, [S0])
+    _assert_matches(_runner(rec, seg=seg), ref, inputs, [S0])
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 24])

@@ -255,6 +255,7 @@ class MatrixForm(SequentialForm):
         exprs, self.layout = [], []  # layout: (what, state index, readout index, term index)
         by_group: dict = {}  # group axis -> (expressions, layout) of the factors of a group
         self.level = {}  # (what, s, i, r) -> the group axis its factor is evaluated at, or None
+        self.along = {}  # (state, read) -> the term whose vector the read's α and β scale
 
         def add(expr, what, s=None, i=None, r=None):
             expr = sympy.sympify(expr)
@@ -275,6 +276,13 @@ class MatrixForm(SequentialForm):
             for r, (_, alpha, beta) in enumerate(st.low_rank):
                 add(alpha, "alpha", s, r=r)
                 add(beta, "beta", s, r=r)
+                # a delta rule writes and reads along the vector it adds (``α = -β_t k``,
+                # ``β = k``, ``a = k``): its products then share one causal matrix W(k, k)
+                shared = self._along_term(alpha, beta, st.terms, set(ir.vector))
+                if shared is not None:
+                    self.along[(s, r)] = shared[0]
+                    add(shared[1], "alpha_scale", s, r=r)
+                    add(shared[2], "beta_scale", s, r=r)
         # sums over the state axis of state-free parts, Σ_n rest[n] = Σ_r b_r Σ_n a_r[n] (their
         # lane factors taken out of the sum, so no [V, K] array is formed)
         sums = []
@@ -309,6 +317,16 @@ class MatrixForm(SequentialForm):
         self._compiled_calls = LRU(COMPILED_SIZES)  # bounded: a trace per shape is kept
 
     # -- the factors of every step ---------------------------------------------------------------
+    @staticmethod
+    def _along_term(alpha, beta, terms, vector):
+        """``(j, α / a_j, β / a_j)`` for the first added term ``j`` whose state-axis vector
+        ``a_j`` the read's ``α`` and ``β`` are per-step multiples of, else None."""
+        for j, (a, _) in enumerate(terms):
+            ratios = [sympy.cancel(x / a) for x in (alpha, beta)]
+            if not any(q.free_symbols & vector for q in ratios):
+                return j, ratios[0], ratios[1]
+        return None
+
     def _group_of(self, expr):
         """The group axis ``g`` at which ``expr`` can be evaluated without expanding its inputs
         to the axis ``g`` groups: it reads an input that carries ``g`` and none that carries
@@ -443,8 +461,15 @@ class MatrixForm(SequentialForm):
                     finals.append(_compose_chunk_maps(P))
                     continue
                 reads.update(solved)
-                terms = terms + [(chunks.cut(f[("alpha", s, None, r)]), None, solved[p])
-                                 for r, (p, _, _) in enumerate(st.low_rank)]
+                terms = list(terms)
+                for r, (p, _, _) in enumerate(st.low_rank):
+                    j = self.along.get((s, r))
+                    if j is None:
+                        terms.append((chunks.cut(f[("alpha", s, None, r)]), None, solved[p]))
+                    else:  # α ⊗ ρ = a_j ⊗ (α / a_j) ρ: one more value on term j's products
+                        a, la, b = terms[j]
+                        terms[j] = (a, la, b + chunks.cut(f[("alpha_scale", s, None, r)]) *
+                                    solved[p])
             else:
                 S_start, S = _carry(S0, whole[..., 0, :], sign_end, U)
             finals.append(S)
@@ -566,19 +591,32 @@ class MatrixForm(SequentialForm):
                 return self._scores(c, a, log_d, vector, mx.matmul)
             return (c @ mx.swapaxes(a, -1, -2)) * between
 
-        A = mx.stack([mx.stack([scores(b, a) for a in alphas_j], axis=-1) for b in betas],
-                     axis=-3)
-        C = log_d.shape[-2]
-        T = unit_lower_inverse(A.reshape(*A.shape[:-4], C * R, C * R))
-        from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))  # |d(1..t-1)|
-        M = T @ time_major([b * from_start for b in betas])
-
         def term(a, la):
             a = _spread(members, la, a)
             return a if sign is None else a * sign
 
-        inputs = [sum((scores(b, term(a, la)) @ x for a, la, x in terms),
-                      mx.zeros((*b.shape[:-1], U.shape[-1]))) for b in betas]
+        j = self.along.get((s, 0)) if R == 1 else None
+        if j is None:
+            A = mx.stack([mx.stack([scores(b, a) for a in alphas_j], axis=-1) for b in betas],
+                         axis=-3)
+            read_scores = [{} for _ in betas]  # W(β, a_term) by term, where already known
+        else:  # α and β along term j's vector a: W(β, α) and W(β, a_j) from one W(a_j, a_j)
+            a, la, _ = terms[j]
+            a = _spread(members, la, a)
+            row_scale = chunks.cut(f[("beta_scale", s, None, 0)])
+            row_scale = row_scale if sign is None else row_scale * sign_ex
+            along_a = row_scale * scores(a, a if sign is None else a * sign)  # W(β, a_j)
+            A = (along_a * mx.swapaxes(chunks.cut(f[("alpha_scale", s, None, 0)]), -1, -2)
+                 )[..., :, None, :, None]
+            read_scores = [{j: along_a}]
+        C = log_d.shape[-2]
+        T = unit_lower_inverse(A.reshape(*A.shape[:-4], C * R, C * R))
+        from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))  # |d(1..t-1)|
+        M = T @ time_major([b * from_start for b in betas])
+        inputs = [sum((known[n] if n in known else scores(b, term(a, la))) @ x
+                      for n, (a, la, x) in enumerate(terms))
+                  if terms else mx.zeros((*b.shape[:-1], U.shape[-1]))
+                  for b, known in zip(betas, read_scores)]
         rho0 = T @ time_major(inputs)
         alpha_end = mx.swapaxes(time_major([a * to_end for a in alphas]), -1, -2)
         decay = mx.exp(whole[..., 0, :])  # (*batch, nc, 1 or K): d(1..C)
