@@ -14,6 +14,7 @@ import pytest
 
 import mlx_recgen as rg
 from conftest import KERNEL_BACKENDS, rel_err
+from distributed_worker import gdelta
 from test_matrix import _assert_matches
 
 TOL = 1e-5
@@ -275,23 +276,14 @@ def signed_gate_delta(S, q, k, v, g, beta, i):
     return {"o": rg.Sum(q[i] * S[i], i)}
 
 
-@rg.recurrence(lane="V", state={"S": "B H K V"},
-               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H",
-                       "beta": "B L H"},
-               outputs={"o": "B L H V"})
-def signed_scalar_gate_delta(S, q, k, v, g, beta, i):
-    """The same with a gate per head: the read and the write run along the key, so the
-    solve's products share one causal matrix (``MatrixForm.along``)."""
-    decayed = g * S[i]
-    S[i] = decayed + beta * (v - rg.Sum(k[i] * decayed, i)) * k[i]
-    return {"o": rg.Sum(q[i] * S[i], i)}
-
-
 @pytest.mark.parametrize("seg", [4, 8])
 @pytest.mark.parametrize("per_key", [True, False])
 def test_a_decay_of_either_sign(seg, per_key):
+    """A gate per key channel, and one per head (the sequence-parallel tests' gated delta rule,
+    ``S <- g S + 2 beta k (v - g kᵀ S)``), whose read and write run along the key, so the
+    solve's products share one causal matrix (``MatrixForm.along``)."""
     mx.random.seed(8)
-    rec = signed_gate_delta if per_key else signed_scalar_gate_delta
+    rec = signed_gate_delta if per_key else gdelta
     assert not rec.matrix.states[0].positive
     gate = (b, L, H, K) if per_key else (b, L, H)
     inputs = [_n(b, L, H, K), _unit(b, L, H, K), _n(b, L, H, V),
@@ -300,7 +292,7 @@ def test_a_decay_of_either_sign(seg, per_key):
 
     def ref(i, s):
         q, k, v, g, beta = i
-        y, S = _delta_loop(q, k, v, beta, s[0], decay=g)
+        y, S = _delta_loop(q, k, v, beta if per_key else 2 * beta, s[0], decay=g)
         return [y], [S]
 
     _assert_matches(_runner(rec, seg=seg), ref, inputs, [S0])
