@@ -430,6 +430,8 @@ class MatrixForm(SequentialForm):
             # a zero multiplier would give -inf - -inf below: its log is floored where exp
             # underflows anyway
             log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
+            # a scalar decay's causal weights, one [C, C] matrix for every product of the state
+            between = None if st.vector_decay else _between(log_d)[..., 0]
             from_start = mx.cumsum(log_d, axis=-2, inclusive=False)  # Σ_{s<t}
             to_end = mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False)  # Σ_{s>j}
             whole = mx.sum(log_d, axis=-2, keepdims=True)
@@ -454,9 +456,9 @@ class MatrixForm(SequentialForm):
                 raise ValueError(f"{spec.name}: the transition maps of the matrix form are "
                                  "those of delta-rule states")
             if st.low_rank:  # a delta rule: its reads solved, they are one more added term
-                S_start, S, solved, P = self._solve_reads(st, s, f, terms, log_d, to_end, whole,
-                                                          (sign, sign_ex, sign_end), U, S0,
-                                                          chunks, members)
+                S_start, S, solved, P = self._solve_reads(st, s, f, terms, log_d, between,
+                                                          to_end, whole, (sign, sign_ex, sign_end),
+                                                          U, S0, chunks, members)
                 if transitions:
                     finals.append(_compose_chunk_maps(P))
                     continue
@@ -487,7 +489,7 @@ class MatrixForm(SequentialForm):
                     continue
                 # a scalar decay: its weights are per step (rows t, columns j), out of the
                 # products, so ``c @ aᵀ`` runs per group where c and a are per group
-                row, w = mx.exp(from_start), _between(log_d)[..., 0]
+                row, w = mx.exp(from_start), between
                 if sign is not None:
                     row, w = row * sign_ex, w * sign_ex * mx.swapaxes(sign, -1, -2)
                 if st.symbol in ro.decayed:  # a scalar decay taken out of c: d_t on row t
@@ -554,7 +556,7 @@ class MatrixForm(SequentialForm):
         y, S, _ = core(flat(c), flat(a), flat(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
 
-    def _solve_reads(self, st, s, f, terms, log_d, to_end, whole, signs, U, S0, chunks,
+    def _solve_reads(self, st, s, f, terms, log_d, between, to_end, whole, signs, U, S0, chunks,
                      members):
         """The states at every chunk's start and after the last chunk of a delta-rule state
         (``matrix.py``), its reads ``ρ`` by chunk ``(*batch, nc, C, V)`` by symbol, and its
@@ -569,7 +571,8 @@ class MatrixForm(SequentialForm):
         ``U + α̃ᵀ ρ₀``; the chunks pass their states on in order. All in fp32: the solve is where
         precision goes. ``signs``: the running parities of a decay whose sign is not known
         (``(sign(d(..t)), sign(d(..t-1)), sign(d(..C)))``, or Nones), folded into the factors of
-        ``t`` and ``j`` as in the readouts; ``to_end`` carries its own."""
+        ``t`` and ``j`` as in the readouts; ``to_end`` carries its own. ``between``: a scalar
+        decay's causal weights (None for a vector decay)."""
         R = len(st.low_rank)
         vector = st.vector_decay
         sign, sign_ex, sign_end = signs
@@ -583,8 +586,6 @@ class MatrixForm(SequentialForm):
         def time_major(xs):  # R arrays (..., C, X) -> (..., C R, X)
             x = mx.stack(xs, axis=-2)
             return x.reshape(*x.shape[:-3], -1, x.shape[-1])
-
-        between = None if vector else _between(log_d)[..., 0]  # shared by every product
 
         def scores(c, a):
             if vector:
