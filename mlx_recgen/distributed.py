@@ -53,8 +53,8 @@ rules ``_LowRankPasses.applies``):
     2/n of one device's on the whole sequence (with two ranks, as much).
   - A delta rule (every state's multiplier diagonal plus low rank, with the matrix form) is
     summarised the same way with ``P_r`` a ``K x K`` matrix per instance: the matrix form's
-    chunk maps composed over the rank's chunk (``_LowRankPasses``, ``_Transitions``), ``b_r``
-    and ``λloc_r`` from the backend's passes as above.
+    chunk maps composed over the rank's chunk, and ``b_r`` from that same pass
+    (``_LowRankPasses``, ``_Transitions``); ``λloc_r`` from the backend's passes as above.
   The products and folds are the chunked schedule's (``affine.py``; ``_matmul``, ``_then``,
   ``_apply``): a zero state is no term, an underflowing product keeps its sign at the smallest
   normal float, and each rank's summary carries its count of zero hits, which the fold
@@ -540,9 +540,10 @@ class _Passes:
 
 class _LowRankPasses(_Passes):
     """A chunk of a delta rule (every state's multiplier diagonal plus low rank, in the matrix
-    form): the backend's passes as in ``_Passes``, and ``P`` the matrix form's chunk maps
-    composed over the chunk (``MatrixForm.run(transitions=True)``), a ``K x K`` matrix per
-    instance, where per-step products would hold one per step."""
+    form): ``P``, the matrix form's chunk maps composed over the chunk, a ``K x K`` matrix per
+    instance where per-step products would hold one per step, and ``b`` from the same pass
+    (``MatrixForm.run(transitions=True)`` from zero states); the rest the backend's passes, as
+    in ``_Passes``."""
 
     def __init__(self, rec, impl, seg, sizes, out_dtype, options, states, matrix):
         super().__init__(rec, impl, seg, sizes, out_dtype, options, states)
@@ -555,12 +556,12 @@ class _LowRankPasses(_Passes):
                                                                   for st in form.states)
 
     def summarise(self, inputs):
-        local_end = self.impl.forward(inputs, self.states.zeros(), self.sizes, self.seg,
-                                      self.out_dtype, **self.options)[1]
-        _, maps = self.matrix.run(inputs, self.states.zeros(), self.sizes, MATRIX_CHUNK,
-                                  transitions=True)
-        products = {st.slot: P for st, P in zip(self.rec.matrix.states, maps)}
-        return products, self.states.canonical(local_end), None
+        maps, ends = self.matrix.run(inputs, self.states.zeros(), self.sizes, MATRIX_CHUNK,
+                                     transitions=True)
+        states = self.matrix.form.states
+        # the matrix form's states are (*batch, K, V); canonical ones (*batch, V, K)
+        local_end = {st.slot: mx.swapaxes(S, -1, -2) for st, S in zip(states, ends)}
+        return {st.slot: P for st, P in zip(states, maps)}, local_end, None
 
 
 class _Segments:

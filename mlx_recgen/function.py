@@ -25,8 +25,7 @@ from .affine import analyse, segment_summary
 from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
 from .memo import LRU
-from .schedule import choose as choose_schedule
-from .schedule import chunked_misfit
+from .schedule import choose as choose_schedule, chunked_misfit
 from .spec import KERNEL_OPTIONS, Spec
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)

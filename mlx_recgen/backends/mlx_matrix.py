@@ -397,9 +397,10 @@ class MatrixForm(SequentialForm):
     def run(self, inputs, states, sizes, seg, operands=mx.float32, transitions=False):
         """Outputs (canonical, ``(*batch, T, V, 1)``, fp32) and final states (``(*batch, K, V)``).
         ``operands``: the dtype of the products' operands within a chunk (accumulation and
-        the states between chunks stay fp32). ``transitions``: instead, ``([], P)`` with ``P``
-        every state's ``K x K`` map of the whole call, ``S_end = P S_start + S_end(0)``, per
-        instance (delta-rule states only: sequence parallelism's summaries)."""
+        the states between chunks stay fp32). ``transitions``: instead, ``(P, final states)`` with
+        ``P`` every state's ``K x K`` map of the whole call, ``S_end = P S_start + b``, per
+        instance, and the final states from ``states`` (``b`` from zero states; delta-rule
+        states only: sequence parallelism's summaries)."""
         spec = self.rec.spec
         nb = len(spec.batch_axes)
         T = sizes[spec.time]
@@ -417,7 +418,7 @@ class MatrixForm(SequentialForm):
         # readouts by chunk (*batch, nc, C, V), and those of the kernels' states (*batch, T, V);
         # a delta rule's reads ρ by chunk, (*batch, nc, C, V), once solved
         readouts, direct, reads = {}, {}, {}
-        finals = []
+        finals, maps = [], []
         for s, st in enumerate(self.form.states):
             S0 = self._state(states, st, sizes)  # (*batch, K, V)
             served = self._kernel_core(st, S0, seg)
@@ -460,7 +461,8 @@ class MatrixForm(SequentialForm):
                                                           to_end, whole, (sign, sign_ex, sign_end),
                                                           U, S0, chunks, members)
                 if transitions:
-                    finals.append(_compose_chunk_maps(P))
+                    maps.append(_compose_chunk_maps(P))
+                    finals.append(S)
                     continue
                 reads.update(solved)
                 terms = list(terms)
@@ -505,7 +507,7 @@ class MatrixForm(SequentialForm):
                     y = y + mm(scores, b)
                 readouts[i] = readouts.get(i, 0.0) + y
         if transitions:
-            return [], finals
+            return maps, finals
         env = {}
         for i, ro in enumerate(self.form.readouts):
             if ro.target in reads:  # a delta rule's read: solved
