@@ -17,9 +17,8 @@ from conftest import rel_err
 from references import gated_deltanet_ref
 
 import mlx_recgen as rg
-from mlx_recgen import Recurrence
 from mlx_recgen.backends.mlx_ops import COMPILE_MAX_STATE
-from mlx_recgen.function import DECODE_MAX_STEPS
+from mlx_recgen.function import DECODE_MAX_STEPS, CallPlan
 from mlx_recgen.integrations.mlx_lm import gated_delta
 
 # specs of every kind of tensor: a plain diagonal state (rglru), a vector state (ssd,
@@ -282,9 +281,10 @@ def test_generate_command_decodes_through_the_recurrences(tmp_path, monkeypatch,
     cli.main()  # mlx-lm's own
     want = generated(capsys.readouterr().out)
     calls = []
-    call = Recurrence.__call__
-    monkeypatch.setattr(Recurrence, "__call__",
-                        lambda self, *a, **k: calls.append(a[0].shape[1]) or call(self, *a, **k))
+    run = CallPlan.run  # every call of a recurrence runs a plan
+    monkeypatch.setattr(CallPlan, "run",
+                        lambda self, inputs, states: calls.append(inputs[0].shape[1])
+                        or run(self, inputs, states))
     integration.main(["--backend", "mlx", *arguments])
     out = capsys.readouterr().out
     assert generated(out) == want and len(want.split()) == 12

@@ -5,7 +5,7 @@ signs) run once through mlx-lm's helpers and once through the routed recurrences
 every parameter gradient, a prompt prefilled in chunks and decoded step by step through the
 cache, left- and right-padded batches (masks and ``lengths``), on the ``mlx`` backend and the
 Metal simulator. Every fp32 array agrees within ``RTOL`` (relative, in the norm) and has the same
-dtype and shape; every routed call is counted in ``Recurrence.__call__``.
+dtype and shape; every routed call is counted where it runs its ``CallPlan``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_lm.models import gated_delta, recurrent_gemma, ssm  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402
 
-from mlx_recgen import Recurrence  # noqa: E402
+from mlx_recgen.function import CallPlan  # noqa: E402
 from mlx_recgen.integrations import mlx_lm as integration  # noqa: E402
 from mlx_recgen.integrations.mlx_lm import SSM_BLOCK, patch  # noqa: E402
 
@@ -110,15 +110,16 @@ def models():
 
 @pytest.fixture
 def recurrence_calls(monkeypatch):
-    """Names of the recurrences called during the test."""
+    """Names of the recurrences run during the test: every call runs a plan, whether through
+    ``Recurrence.__call__`` or a plan the integration keeps."""
     calls = []
-    call = Recurrence.__call__
+    run = CallPlan.run
 
     def counted(self, *args, **kwargs):
-        calls.append(self.name)
-        return call(self, *args, **kwargs)
+        calls.append(self.recurrence.name)
+        return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(Recurrence, "__call__", counted)
+    monkeypatch.setattr(CallPlan, "run", counted)
     return calls
 
 
@@ -416,6 +417,27 @@ def test_gated_delta_update_arguments(case, backend, recurrence_calls):
     want, got, routing = both(lambda: differentiated(gated_delta.gated_delta_update, args), backend)
     assert_close(got, want, what=case)
     assert routing.routed["gated_delta_update"] == 1 and len(recurrence_calls) == 1
+
+
+def test_gated_delta_update_plan_follows_the_patch(monkeypatch):
+    """The routed helper keeps the plan of arguments it checked once; a call with the same
+    arguments under another patch (backend, schedule) runs that patch's plan, not the kept
+    one."""
+    ran = []
+    run = CallPlan.run
+    monkeypatch.setattr(CallPlan, "run", lambda self, *a: ran.append(
+        (self.backend.name, self.schedule)) or run(self, *a))
+    args = gated_delta_inputs()
+    want = gated_delta.gated_delta_update(**args, use_kernel=False)
+    for backend, schedule in [("mlx", "sequential"), ("mlx", "matrix"), ("mlx", "sequential"),
+                              ("metal-sim", "auto")]:
+        for _ in range(2):  # the second call takes the kept plan
+            with patch(backend=backend, schedule=schedule):
+                got = gated_delta.gated_delta_update(**args, use_kernel=False)
+            assert_close(got, want, what=f"{backend} {schedule}")
+    assert ran[:6] == [("mlx", "sequential")] * 2 + [("mlx", "matrix")] * 2 + [
+        ("mlx", "sequential")] * 2
+    assert len(ran) == 8 and ran[6] == ran[7] and ran[6][0] == "metal-sim"
 
 
 @pytest.mark.parametrize("case", ["no h0", "h0", "decode", "decode, no h0"])

@@ -187,18 +187,25 @@ def _bounded_decay(A_log, a, dt_bias, lower_bound):
 
 
 def _run(rec, options, *args, **kwargs):
-    """``rec(*args, **kwargs)`` with the patch's backend and schedule, returning the final state
-    too. A request for the chunked schedule runs a recurrence that neither its segment summaries
-    nor the matrix form serve sequentially; one for the matrix schedule runs a recurrence
-    without the matrix form (RG-LRU) as ``auto`` would."""
-    schedule = options["schedule"]
-    if schedule == "chunked" and not rec.affine.block_diagonal and not rec.matrix.applies:
-        schedule = "sequential"
-    if schedule == "matrix" and not rec.matrix.applies:
-        schedule = "auto"
+    """``rec(*args, **kwargs)`` with the patch's backend and schedule (``_schedule``), returning
+    the final state too."""
     if options["backend"] == "metal-sim":
         _evaluate_for_simulator([*args, *kwargs.values()])
-    return rec(*args, backend=options["backend"], schedule=schedule, return_state=True, **kwargs)
+    return rec(*args, backend=options["backend"], schedule=_schedule(rec, options),
+               return_state=True, **kwargs)
+
+
+def _schedule(rec, options) -> str:
+    """The schedule the patch asks ``rec`` for: a request for the chunked schedule runs a
+    recurrence that neither its segment summaries nor the matrix form serve sequentially; one
+    for the matrix schedule runs a recurrence without the matrix form (RG-LRU) as ``auto``
+    would."""
+    schedule = options["schedule"]
+    if schedule == "chunked" and not rec.affine.block_diagonal and not rec.matrix.applies:
+        return "sequential"
+    if schedule == "matrix" and not rec.matrix.applies:
+        return "auto"
+    return schedule
 
 
 _TRANSFORMED = "function transformations"  # in MLX's error for an eval under compile or vmap
@@ -365,14 +372,15 @@ def _ssd_blockwise(options, x, dt, A, B, C, state, mask):
 def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel,
                         lower_bound, allow_neg_eigval):
     # arguments like ones that passed the checks below (the same shapes, dtypes and options)
-    # pass them again: a decode step calls this once per layer and token
+    # run the plan they made: a decode step calls this once per layer and token
     try:
         key = (*(_layout(t) for t in (q, k, v, a, b, A_log, dt_bias, state, mask)),
-               lower_bound, bool(allow_neg_eigval))
-        checked = key in _GATED_DELTA_CHECKED
+               lower_bound, bool(allow_neg_eigval), options["backend"], options["schedule"],
+               str(mx.default_device()))  # a Device hashes by identity, its text by value
+        plan = _GATED_DELTA_PLANS.get(key)
     except TypeError:  # an unhashable argument: the checks below see to it
-        key, checked = None, False
-    if not checked:
+        key, plan = None, None
+    if plan is None:
         _require(all(_is_array(t, ndim=4) for t in (q, k, v)) and q.shape == k.shape
                  and v.shape[:2] == k.shape[:2], "q, k, v are not [B, T, ., .] floats")
         _require(v.shape[2] % k.shape[2] == 0, "value heads are not a multiple of the key heads")
@@ -387,7 +395,9 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
         g = _decay(A_log, a, dt_bias)
     else:
         g = _bounded_decay(A_log, a, dt_bias, lower_bound)
-    if not checked:
+    args = [q, k, v, g, beta] + ([] if mask is None else [mask])
+    states = [mx.zeros((batch, Hv, Dv, Dk), mx.float32) if state is None else state]
+    if plan is None:
         _require(beta.shape == (batch, T, Hv), "b is not [B, T, Hv]")
         _require(g.shape in ((batch, T, Hv), (batch, T, Hv, Dk)),
                  "the gate is not [B, T, Hv(, Dk)]")
@@ -395,20 +405,25 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
                  "state is not [B, Hv, Dv, Dk]")
         _require(mask is None or (_is_array(mask, mx.bool_) and mask.shape == (batch, T)),
                  "mask is not [B, T] bool")
+        rec = gated_delta(vector_gate=g.ndim == 4, masked=mask is not None)
+        call = rec.check(*args, initial_state=states[0])
+        plan = rec.plan_for(call, backend=options["backend"], schedule=_schedule(rec, options))
+        args, states = call.inputs, call.states
         if key is not None:
-            _GATED_DELTA_CHECKED[key] = True
+            _GATED_DELTA_PLANS[key] = plan
+    if options["backend"] == "metal-sim":
+        _evaluate_for_simulator([*args, *states])
+    (y,), (S,) = plan.run(args, states)
     kernel = bool(use_kernel) and _on_metal() and Dk % 32 == 0
-    rec = gated_delta(vector_gate=g.ndim == 4, masked=mask is not None)
-    masks = () if mask is None else (mask,)
-    y, S = _run(rec, options, q, k, v, g, beta, *masks, initial_state=state)
-    if kernel and mask is not None:  # the kernel writes zeros at masked steps
+    if kernel and mask is not None:  # mlx-lm's kernel writes zeros at masked steps
         y = mx.where(mask[..., None, None], y, 0)
     # the kernel keeps the state's dtype; the MLX ops promote it with the fp32 decay
     state_dtype = state.dtype if kernel and state is not None else mx.float32
     return y.astype(q.dtype), S.astype(state_dtype)
 
 
-_GATED_DELTA_CHECKED = LRU(PLAN_CACHE_SIZE)  # argument layouts that passed the checks
+# the plans of argument layouts that passed the checks (shapes, dtypes, options and device)
+_GATED_DELTA_PLANS = LRU(PLAN_CACHE_SIZE)
 
 
 def _layout(x):
