@@ -35,6 +35,10 @@ here; the carry's ``apply`` in the backends), each IEEE's product but for one ru
 * a summary counts where an infinite multiplier met its zero state (``zero_hit``): from a zero
   segment start the sequential steps meet ``inf * 0`` there, and the carry gives NaN.
 
+The backward's local adjoint (``local_adjoint_program``) is swept from a zero ``λ`` likewise: its
+stores ``M w`` (``w`` the cotangent reaching the updated state) become ``scale(M, w)`` with a
+count of zero hits, which the adjoint carry reads as the forward carry reads the summary's.
+
 The scan schedule composes the same maps in a tree instead of a chain; a composed map's count
 of zero hits is the later map's where the earlier one leaves a zero start at zero.
 
@@ -54,7 +58,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from .ir import Program, StepIR, schedule_forward
+from .ir import Assign, Loop, Program, StepIR, Store, prune, schedule_forward
 from .spec import Slot
 
 
@@ -415,6 +419,57 @@ def outputs_of_updated_state(ir: StepIR):
     return schedule_forward(StepIR(spec, reductions, {}, outputs, ir.vector, ir.namer))
 
 
+def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list) -> tuple:
+    """The adjoint's ``λ`` statements for a sweep from a zero ``λ`` (a segment's or a run's
+    local adjoint; ``adjoint`` is ``adjoint.Adjoint``), and whether they count zero hits.
+
+    The adjoint of an affine step is ``λ_j <- Σ_i M_ij w_i`` with ``w_i = λ_i + u_i``, the
+    cotangent that reaches the updated state (``u`` from the outputs that read it). From a zero
+    ``λ`` an infinite ``M`` meets ``w = 0`` where the sequential sweep, from the true ``λ``, may
+    not. As in the forward summary, the store becomes ``scale(M, w)`` and a count of zero hits
+    per block (stores of kind ``hits``, which add to the block's count: per element where the
+    block has the state axis), and the carry gives NaN where the incoming adjoint is zero too.
+
+    A store is ``M w`` where its expression, temporaries substituted, divided by ``M`` has no
+    denominator and the derivative 1 in the slot's own ``λ``. Where a state's store is not so
+    (a block of several slots, a state without the lane axis, whose ``λ`` is a lane's share,
+    or an output that reads the state before the step), the plain ``λ`` statements are
+    returned and no hits are counted."""
+    plain = prune(adjoint.program, lambda store: store.kind == "lambda")
+    if any(blk.size != 1 for blk in form.blocks) or not all(
+            t.has_lane for t in ir.spec.states.values()):
+        return plain, False
+    block_of = {blk.slots[0]: b for b, blk in enumerate(form.blocks)}
+    hits_slot = {p.block: p.slot for p in products if p.hits}
+    defs, factored = {}, []
+
+    def rewrite(statements):
+        out = []
+        for st in statements:
+            if isinstance(st, Loop):
+                out.append(Loop(rewrite(st.body)))
+                continue
+            if isinstance(st, Assign):
+                defs[st.target] = st.expr.xreplace(defs)
+            if not (isinstance(st, Store) and st.kind == "lambda"):
+                out.append(st)
+                continue
+            b = block_of[st.slot]
+            m = form.blocks[b].multiplier[0][0]
+            w = sympy.together(st.expr.xreplace(defs) / m)
+            own = adjoint.state_cotangents[st.slot]
+            factored.append(w.as_numer_denom()[1].is_number
+                            and sympy.expand(sympy.diff(w, own)) == 1)
+            out += [Store("lambda", st.slot, scale(m, w)),
+                    Store("hits", hits_slot[b], zero_hit(m, w))]
+        return out
+
+    rewritten = Program(rewrite(plain.statements), plain.vector)
+    if not all(factored):
+        return plain, False
+    return prune(rewritten, lambda store: True), True
+
+
 @dataclass(frozen=True)
 class SegmentSummary:
     """The segment summary of a state-affine recurrence: its product entries and the step that
@@ -433,5 +488,6 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
 
 
 __all__ = ["AffineBlock", "AffineForm", "LowRankRead", "ProductEntry", "SegmentSummary",
-           "analyse", "compose", "outputs_of_updated_state", "product_entries", "scale",
+           "analyse", "compose", "local_adjoint_program", "outputs_of_updated_state",
+           "product_entries", "scale",
            "segment_summary", "step_maps_program", "summary_program", "zero_hit"]

@@ -59,7 +59,9 @@ rules ``_LowRankPasses.applies``):
   ``_apply``): a zero state is no term, an underflowing product keeps its sign at the smallest
   normal float, and each rank's summary carries its count of zero hits, which the fold
   (``_advance``) turns into NaN where it meets an all-zero state, so non-finite and
-  overflowing inputs give what the sequential steps give.
+  overflowing inputs give what the sequential steps give. The adjoint fold
+  (``_Products.retreat``) reads the zero hits of each rank's local adjoint likewise (counted by
+  the chunked kernels; ``_Passes``' backward from a zero cotangent meets ``inf * 0`` itself).
 * **Other recurrences**: a pipeline, sequential across ranks. Rank ``r`` waits for the state at
   the end of rank ``r - 1``'s chunk, runs its chunk and hands its end state on; the backward
   hands the state adjoint from rank ``r + 1`` to rank ``r``. One forward and one backward pass
@@ -404,11 +406,12 @@ def _apply(form, products: dict, h: dict, transpose: bool = False) -> dict:
     return out
 
 
-def _advance(form, products: dict, h: dict, offsets: dict) -> dict:
+def _advance(form, products: dict, h: dict, offsets: dict, transpose: bool = False) -> dict:
     """``P h + b`` of one rank's chunk (``products`` holds ``P`` and the chunk's zero hits,
     ``offsets`` is ``b``): NaN in a block whose state is all zero where the chunk counted a zero
-    hit, as the sequential steps meet ``inf * 0`` there (``affine.zero_hit``)."""
-    ph = _apply(form, products, h)
+    hit, as the sequential steps meet ``inf * 0`` there (``affine.zero_hit``). ``transpose``:
+    the adjoint's ``Pᵀ λ + λloc``, with the zero hits of the chunk's local adjoint."""
+    ph = _apply(form, products, h, transpose)
     out = {}
     for b, block in enumerate(form.blocks):
         zero = h[block.slots[0]] == 0
@@ -435,6 +438,8 @@ class _FlatMaps:
         return sum(int(np.prod(s)) for s in self.shapes.values())
 
     def flat(self, products: dict) -> mx.array:
+        if not self.shapes:
+            return mx.zeros((0,), mx.float32)
         return mx.concatenate([mx.broadcast_to(products[k].astype(mx.float32),
                                                self.shapes[k]).reshape(-1) for k in self.keys])
 
@@ -468,9 +473,17 @@ class _Products(_FlatMaps):
         """``P h + b`` of one rank's chunk."""
         return _advance(self.form, products, h, offsets)
 
-    def apply_transposed(self, products: dict, lam: dict) -> dict:
-        """``Pᵀ λ`` of one rank's chunk."""
-        return _apply(self.form, products, lam, transpose=True)
+    def retreat(self, products: dict, lam: dict, local: dict, hits: dict) -> dict:
+        """``Pᵀ λ + λloc`` of one rank's chunk, NaN where ``λ`` is all zero in a block whose
+        local adjoint counted zero hits (``hits``, in ``self.hits``' layout)."""
+        return _advance(self.form, {**products, **hits}, lam, local, transpose=True)
+
+    @property
+    def hits(self) -> "_FlatMaps":
+        """The layout of a chunk's local adjoint's zero hits: those of ``P``'s."""
+        layout = _FlatMaps()
+        layout.shapes = {k: v for k, v in self.shapes.items() if k[1] == "hits"}
+        return layout
 
 
 class _Transitions(_FlatMaps):
@@ -487,8 +500,15 @@ class _Transitions(_FlatMaps):
     def advance(self, products: dict, h: dict, offsets: dict) -> dict:
         return {s: h[s] @ mx.swapaxes(products[s], -1, -2) + offsets[s] for s in h}
 
-    def apply_transposed(self, products: dict, lam: dict) -> dict:
-        return {s: lam[s] @ products[s] for s in lam}
+    def retreat(self, products: dict, lam: dict, local: dict, hits: dict) -> dict:
+        return {s: lam[s] @ products[s] + local[s] for s in lam}
+
+    @property
+    def hits(self) -> _FlatMaps:
+        """None counted: the backend's passes give the local adjoint (``_Passes``)."""
+        layout = _FlatMaps()
+        layout.shapes = {}
+        return layout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,11 +546,13 @@ class _Passes:
         return outs, residuals
 
     def local_adjoint(self, inputs, start, residuals, d_out):
-        """``(λloc, memo)``: the start-state cotangent with a zero end-state cotangent
-        (canonical), and what ``backward`` reuses."""
+        """``(λloc, hits, memo)``: the start-state cotangent with a zero end-state cotangent
+        (canonical), the zero hits of that sweep by block (none here: the backend's backward
+        from a zero cotangent met any ``inf * 0`` itself), and what ``backward`` reuses."""
         lam = self.impl.backward(inputs, start, residuals, d_out, self.states.zeros(), self.sizes,
                                  self.seg, **self.options)[1]
-        return self.states.canonical(lam), None
+        hits = {(b, "hits"): mx.array(0.0) for b in range(len(self.rec.affine.blocks))}
+        return self.states.canonical(lam), hits, None
 
     def backward(self, inputs, start, residuals, d_out, lam_end, memo):
         """``(input gradients, start-state gradients)`` from the end adjoint (declared)."""
@@ -653,16 +675,21 @@ class _Segments:
     def local_adjoint(self, inputs, start, residuals, d_out):
         n = self.n_state
         meta = self.impl._meta(self.sizes, self.sch)
-        local = self._run("local_adjoint", meta, [*_buffers(inputs), *residuals[:n], *d_out],
-                          self.shares, [mx.float32] * n, _dtypes_text([*inputs, *d_out]))
-        return self._compose(residuals[n:], local, adjoint=True)[1], (meta, local)
+        shapes = self.shares + (self.hits if self.rec.local_adjoint[1] else [])
+        summaries = self._run("local_adjoint", meta, [*_buffers(inputs), *residuals[:n], *d_out],
+                              shapes, [mx.float32] * len(shapes), _dtypes_text([*inputs, *d_out]))
+        local, hits = summaries[:n], summaries[n:]
+        composed, lam_local = self._compose(residuals[n:], local, adjoint=True, hits=hits or None)
+        chunk_hits = {(b, "hits"): composed.get((b, "hits"), mx.array(0.0))
+                      for b in range(len(self.rec.affine.blocks))}
+        return lam_local, chunk_hits, (meta, local, hits)
 
     def backward(self, inputs, start, residuals, d_out, lam_end, memo):
         impl, n = self.impl, self.n_state
-        meta, local = memo
+        meta, local, hits = memo
         ckpts, prods = residuals[:n], residuals[n:]
         carried = self._run("adjoint_carry", meta,
-                            [*[g.astype(mx.float32) for g in lam_end], *local, *prods],
+                            [*[g.astype(mx.float32) for g in lam_end], *local, *prods, *hits],
                             impl._d_init_shapes(self.sizes) + self.shares,
                             [mx.float32] * (2 * n), "float32")
         d_start, lam_ends = carried[:n], carried[n:]
@@ -841,17 +868,19 @@ def _affine_function(plan, group, rules, matrix=None):
     def backward(*arrays):
         inputs, init, start, (gathered,), residuals, d_out, d_fin = _backward_arguments(
             rules.opaque(arrays), n_in, n_state, n_out)
-        lam_local, memo = chunk.local_adjoint(inputs, start, residuals, d_out)
-        payload = mx.concatenate([states.flat(lam_local), states.flat(states.canonical(d_fin))])
+        lam_local, lam_hits, memo = chunk.local_adjoint(inputs, start, residuals, d_out)
+        hits = products.hits
+        payload = mx.concatenate([states.flat(lam_local), hits.flat(lam_hits),
+                                  states.flat(states.canonical(d_fin))])
         adjoints = _collective(mx.distributed.all_gather, payload[None], group)
-        parts = [(states.unflat(adjoints[q, :states.size]), states.unflat(adjoints[q, states.size:]))
-                 for q in range(size)]
-        lam = parts[0][1]
+        n, z = states.size, hits.size
+        parts = [(states.unflat(adjoints[q, :n]), hits.unflat(adjoints[q, n:n + z]),
+                  states.unflat(adjoints[q, n + z:])) for q in range(size)]
+        lam = parts[0][2]
         for q in range(1, size):  # the final state's cotangent, summed over ranks in rank order
-            lam = {s: lam[s] + parts[q][1][s] for s in states.slots}
+            lam = {s: lam[s] + parts[q][2][s] for s in states.slots}
         for q in range(size - 1, rank, -1):  # λ_end_{q-1} = P_qᵀ λ_end_q + λloc_q
-            pt = products.apply_transposed(unpack_summary(gathered[q])[0], lam)
-            lam = {s: pt[s] + parts[q][0][s] for s in states.slots}
+            lam = products.retreat(unpack_summary(gathered[q])[0], lam, parts[q][0], parts[q][1])
         grads, lam_start = chunk.backward(inputs, start, residuals, d_out, states.declared(lam),
                                           memo)
         d_init = [(g if rank == 0 else mx.zeros_like(x)).astype(x.dtype)

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from . import cache as program_cache
 from .adjoint import derive
-from .affine import analyse, segment_summary
+from .affine import analyse, local_adjoint_program, segment_summary
 from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
 from .memo import LRU
@@ -124,6 +124,13 @@ class Recurrence:
         if not self.affine.block_diagonal:
             raise ValueError(f"{self.name} has no segment summary: {chunked_misfit(self)}")
         return segment_summary(self.ir, self.affine)
+
+    @functools.cached_property
+    def local_adjoint(self):
+        """The chunked and scan backwards' local-adjoint step, ``(program, counts_hits)``
+        (``affine.local_adjoint_program``), derived once for every rendering of it."""
+        return local_adjoint_program(self.ir, self.affine, self.adjoint,
+                                     list(self.segment_summary.products))
 
     @functools.cached_property
     def matrix(self):

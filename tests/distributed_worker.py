@@ -100,10 +100,23 @@ def make_case(case):
 
     kinds = {"dt": "positive", "A": "positive", "a": "gate", "g": "gate", "w": "gate",
              "c": "gate", "om": "gate", "beta": "gate"}
+    gate = case.get("infinite_gate")
+    if gate:  # every value positive (no inf - inf), then one infinite gate
+        kinds = dict.fromkeys([*spec.inputs, *spec.states, *spec.outputs], "positive")
+        kinds[gate["input"]] = "gate"
     inputs = [draw(t, kinds.get(n)) for n, t in spec.inputs.items()]
-    states = [draw(t, None) for t in spec.states.values()]
-    weights = [draw(t, None) for t in spec.outputs.values()]
-    final_weights = [[draw(t, None) for t in spec.states.values()] for _ in case["chunks"]]
+    states = [draw(t, kinds.get(n)) for n, t in spec.states.items()]
+    weights = [draw(t, kinds.get(n)) for n, t in spec.outputs.items()]
+    final_weights = [[draw(t, kinds.get(n)) for n, t in spec.states.items()]
+                     for _ in case["chunks"]]
+    if gate:  # no cotangent from the gate's step up to gate["quiet_to"] (None: the end)
+        step, quiet_to = gate["step"], gate["quiet_to"]
+        if quiet_to is None:
+            final_weights = [[w * 0 for w in ws] for ws in final_weights]
+        g = list(spec.inputs).index(gate["input"])
+        inputs[g][:, step] = float("inf")
+        for w, t in zip(weights, spec.outputs.values()):
+            w[(slice(None),) * t.axes.index(spec.time) + (slice(step, quiet_to),)] = 0.0
     return rec, inputs, states, weights, final_weights
 
 

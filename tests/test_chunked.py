@@ -239,6 +239,41 @@ def test_nonfinite_inputs_give_the_sequential_result(backend, name, case, schedu
         _assert_same(a, s, f"gradient of {label} against the sequential schedule")
 
 
+# An infinite gate whose step's cotangent is zero, and zero up to its segment's end: the local
+# adjoint of that segment meets inf * 0 where the sequential sweep meets inf times the adjoint
+# arriving from later segments. Nonzero later: the gradients before the gate are infinite;
+# zero to the end: they are NaN (the sequential sweep's inf * 0).
+ADJOINT_HITS = [(n, later, s) for n in ("rglru", "gla") for later in (True, False)
+                for s in ("chunked", "scan") if not (s == "scan" and n == "gla")]
+
+
+@pytest.mark.parametrize("backend", ["mlx", *KERNEL_BACKENDS])
+@pytest.mark.parametrize("name,later,schedule", ADJOINT_HITS,
+                         ids=[f"{s}-{n}-{'later' if t else 'none_later'}"
+                              for n, t, s in ADJOINT_HITS])
+def test_infinite_gate_meeting_a_zero_local_adjoint(backend, name, later, schedule):
+    rec = rg.load_spec(name)
+    inputs = _nonfinite_case(name, "inf_gate_inside")  # the second step of the segment 4..7
+    y = rec(*inputs, backend="mlx", schedule="sequential")
+    weights = mx.random.uniform(0.5, 1.5, y.shape, key=mx.random.key(7))
+    weights[:, 5:8] = 0.0  # no cotangent from the gate to its segment's end
+    if not later:
+        weights[:, 8:] = 0.0
+    argnums = tuple(range(len(inputs)))
+
+    def grads(f):
+        return mx.grad(lambda *a: mx.sum(f(*a) * weights), argnums=argnums)(*inputs)
+
+    ours = grads(lambda *a: rec(*a, backend=backend, schedule=schedule, seg=NONFINITE_SEG))
+    seq = grads(lambda *a: rec(*a, backend=backend, schedule="sequential"))
+    ref = grads(rec.reference)
+    for label, a, s, r in zip(rec.spec.inputs, ours, seq, ref):
+        _assert_same(a, r, f"gradient of {label} against the reference")
+        _assert_same(a, s, f"gradient of {label} against the sequential schedule")
+    early = np.array(ours[1][:, :4])  # x's or k's: through the adjoint of the state
+    assert (np.isinf(early).all() if later else np.isnan(early).all()), "the case is not met"
+
+
 @pytest.mark.parametrize("backend", ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)])
 def test_zero_initial_state_gradient(backend):
     """A zero state is no term of a composed map's value, but its derivative is the

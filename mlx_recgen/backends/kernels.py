@@ -18,9 +18,11 @@ Chunked schedule (three kernels per pass, ``render/chunked.py``):
             ->  <state>_final..., <state>_ckpt...
   outputs:  inputs..., <state>_ckpt..., meta  ->  outputs...
   (the forward's residuals: <state>_ckpt..., prod<b>...)
-  local adjoints: inputs..., <state>_ckpt..., d_<output>..., meta  ->  <state>_local...
-  carry:    d_<state>_final..., <state>_local..., prod<b>..., meta
+  local adjoints: inputs..., <state>_ckpt..., d_<output>..., meta
+            ->  <state>_local... [, hits<b>...]
+  carry:    d_<state>_final..., <state>_local..., prod<b>... [, hits<b>...], meta
             ->  d_<state>_init..., <state>_lamend...
+  (the backward's hits<b>: where its local adjoint counts zero hits, ``Recurrence.local_adjoint``)
   gradients: inputs..., <state>_ckpt..., d_<output>..., <state>_lamend..., meta  ->  d_<input>...
 
 Scan schedule (one kernel per pass, ``render/scan.py``; the buffers of the sequential schedule,
@@ -157,6 +159,8 @@ class KernelBackend:
         ckpt = [ids["ckpt", t] for t in s.states]
         prods = [ChunkedRenderer.product_buffer(b) for b in range(len(self.rec.affine.blocks))]
         hits = [ChunkedRenderer.hits_buffer(b) for b in range(len(self.rec.affine.blocks))]
+        backward_hits = hits if kind in ("local_adjoint", "adjoint_carry") and \
+            self.rec.local_adjoint[1] else []
         d_outs = [ids["d", t] for t in s.outputs]
         lamend = [ids["lamend", t] for t in s.states]
         table = {
@@ -164,8 +168,9 @@ class KernelBackend:
             "carry": ([*(ids["init", t] for t in s.states), *local, *prods, *hits, "meta"],
                       [*(ids["final", t] for t in s.states), *ckpt]),
             "outputs": ([*inputs, *ckpt, "meta"], [ids["buffer", t] for t in s.outputs]),
-            "local_adjoint": ([*inputs, *ckpt, *d_outs, "meta"], local),
-            "adjoint_carry": ([*(ids["d_final", t] for t in s.states), *local, *prods, "meta"],
+            "local_adjoint": ([*inputs, *ckpt, *d_outs, "meta"], [*local, *backward_hits]),
+            "adjoint_carry": ([*(ids["d_final", t] for t in s.states), *local, *prods,
+                               *backward_hits, "meta"],
                               [*(ids["d_init", t] for t in s.states), *lamend]),
             "gradients": ([*inputs, *ckpt, *d_outs, *lamend, "meta"],
                           [ids["d", t] for t in _differentiable(s)]),
@@ -415,10 +420,12 @@ class KernelBackend:
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         buffers = [_as_buffer(x) for x in inputs]
         f32 = mx.float32
-        local = self._run("local_adjoint", sch, sizes, meta, [*buffers, *ckpts, *d_outputs],
-                          shares, [f32] * n_state, dtypes)
+        hit_shapes = self._hits_shapes(sizes, sch, instances) if self.rec.local_adjoint[1] else []
+        summaries = self._run("local_adjoint", sch, sizes, meta, [*buffers, *ckpts, *d_outputs],
+                              shares + hit_shapes, [f32] * (n_state + len(hit_shapes)), dtypes)
+        local, hits = list(summaries[:n_state]), list(summaries[n_state:])
         carried = self._run("adjoint_carry", sch, sizes, meta,
-                            [*[g.astype(f32) for g in d_finals], *local, *prods],
+                            [*[g.astype(f32) for g in d_finals], *local, *prods, *hits],
                             self._d_init_shapes(sizes) + shares,
                             [f32] * (2 * n_state), "float32")
         d_init, lam_end = carried[:n_state], list(carried[n_state:])

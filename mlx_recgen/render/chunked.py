@@ -8,11 +8,13 @@ forward   summary   one thread per (segment, instance, lane): the segment's loca
                     segments, writing the checkpoints and the final state (``chunked_carry.j2``)
           outputs   one thread per (segment, instance, lane): the forward step from the
                     segment's checkpoint, writing outputs (``forward.j2``, segment mode)
-backward  summary   per segment: sweep ``λ`` from zero with the adjoint's ``λ`` statements only,
-                    recomputing the segment only if they read the state (``backward.j2``,
+backward  summary   per segment: sweep ``λ`` from zero with the adjoint's ``λ`` statements only
+                    (``Recurrence.local_adjoint``: with its count of zero hits where it keeps
+                    one), recomputing the segment only if they read the state (``backward.j2``,
                     segment and λ-only mode)
-          carry     ``λ <- Pᵀ λ + local`` over segments, newest first, writing the adjoint at
-                    every segment's end and the initial state's gradient (``chunked_carry.j2``)
+          carry     ``λ <- Pᵀ λ + local`` over segments, newest first (NaN where the local
+                    adjoint counted zero hits and the incoming ``λ`` is zero), writing the adjoint
+                    at every segment's end and the initial state's gradient (``chunked_carry.j2``)
           gradients per segment: the full adjoint sweep from the segment's end adjoint, writing
                     gradients; parameter gradients go to one partial sum per segment, summed
                     afterwards in a fixed order (``backward.j2``, segment mode)
@@ -26,7 +28,6 @@ layout ``[segment, instance, 1, NS or 1, lane]`` (NS rows for a block with the s
 
 from __future__ import annotations
 
-from ..ir import prune
 from .kernels import KernelRenderer, StepWriter, environment, met_zero_hit
 from .names import program_symbols
 
@@ -117,12 +118,13 @@ class ChunkedRenderer(KernelRenderer):
             regs = [nm[("state", spec.symbols[s])] for s in block.slots]
             tensors = [spec.states[s.tensor] for s in block.slots]  # a block may span tensors
             lines = [f"const float old_{i} = {regs[i]};" for i in range(block.size)]
+            counts_hits = self.rec.local_adjoint[1] if reverse else True
             for p in self.products:
-                if p.block == b and not (p.hits and reverse):
+                if p.block == b and not (p.hits and not counts_hits):
                     name = "hits" if p.hits else f"p_{p.row}{p.col}"
                     buffer = self.hits_buffer(b) if p.hits else self.product_buffer(b)
                     lines.append(f"const float {name} = {buffer}[{self._product_offset(p)}];")
-            if not reverse:  # from a zero start the sequential steps met inf * 0 in the segment
+            if counts_hits:  # from a zero start the sequential steps met inf * 0 in the segment
                 met = met_zero_hit([f"old_{i}" for i in range(block.size)], "hits")
                 lines.append(f"const bool met_inf_zero = {met};")
             for i in range(block.size):
@@ -131,7 +133,7 @@ class ChunkedRenderer(KernelRenderer):
                 t, c = tensors[i], block.slots[i].component
                 local = f"{nm[('local', t.name)]}[{self.ckpt_offset(t, c, shares=reverse)}]"
                 value = f"{' + '.join(terms)} + {local}"
-                if not reverse:
+                if counts_hits:
                     value = f"met_inf_zero ? {self.d.nan} : {value}"
                 lines.append(f"{regs[i]} = {value};")
             guard = "vector_ok" if block.vector else "scalar_ok"
@@ -159,10 +161,14 @@ class ChunkedRenderer(KernelRenderer):
     def backward(self, lambda_only: bool = False):
         """Backward phase 1 (``lambda_only``: the local adjoint of every segment) or phase 3
         (every segment's adjoint sweep from its end adjoint, writing gradients)."""
-        program = self.rec.adjoint.program
-        if lambda_only:
-            program = prune(program, lambda store: store.kind == "lambda")
-        return self._render_backward(program, segment_in_grid=True, lambda_only=lambda_only)
+        if not lambda_only:
+            return self._render_backward(self.rec.adjoint.program, segment_in_grid=True)
+        program, counts_hits = self.rec.local_adjoint
+        hits = [dict(slot=p.slot, reg=f"zero_hits_{p.block}",
+                     vector=self.form.blocks[p.block].vector,
+                     buffer=self.hits_buffer(p.block), offset=self._product_offset(p))
+                for p in self.products if p.hits and counts_hits]
+        return self._render_backward(program, segment_in_grid=True, lambda_only=True, hits=hits)
 
 
 __all__ = ["ChunkedRenderer"]

@@ -352,12 +352,13 @@ class KernelRenderer:
     def backward(self):
         return self._render_backward(self.rec.adjoint.program)
 
-    def _render_backward(self, program, segment_in_grid=False, lambda_only=False):
+    def _render_backward(self, program, segment_in_grid=False, lambda_only=False, hits=()):
         """The adjoint sweep: over all segments newest first, from the final state's cotangent,
         writing gradients and the initial state's gradient; or (``segment_in_grid``) over one
         segment from its end adjoint, with parameter gradients summed per segment; or
         (``lambda_only``, a program with only ``λ`` stores) from a zero adjoint, writing the
-        segment's local adjoint."""
+        segment's local adjoint, and with ``hits`` (per block: ``reg``, ``vector``, ``buffer``,
+        ``offset``) its counts of zero hits (``affine.local_adjoint_program``)."""
         spec, d, nm = self.spec, self.d, self.names
         writer = StepWriter(self.rec, d, nm, stage=self.schedule.stage_steps > 0,
                             split=self.schedule.parts > 1)
@@ -381,7 +382,11 @@ class KernelRenderer:
         # thread's array of the current chunk
         chunk_arrays = {}
 
+        hit_regs = {h["slot"]: h["reg"] for h in hits}
+
         def route(store, value, in_loop, pad):
+            if store.kind == "hits":  # adds to the block's count
+                return [], [f"{pad}{hit_regs[store.slot]}[{idx if in_loop else 0}] += {value};"]
             if store.kind == "lambda":
                 lam = nm[("sym", self.rec.adjoint.state_cotangents[store.slot])]
                 return [], [f"{pad}{lam}{f'[{idx}]' if in_loop else ''} = {value};"]
@@ -518,7 +523,7 @@ class KernelRenderer:
             # an adjoint that never reads the state (a state-affine update with outputs linear
             # in the state, swept for λ only) needs no recomputed segment
             reads_state=reads_state,
-            lam=lam, grad_bases=grad_bases, accumulators=accumulators,
+            lam=lam, hits=list(hits), grad_bases=grad_bases, accumulators=accumulators,
             time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
             time_count=rows(time_rows), chunk_arrays=list(chunk_arrays.values()),
             param_count=rows(param_rows), loop_count=len(loop_rows),

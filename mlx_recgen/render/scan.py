@@ -33,7 +33,7 @@ state slot ``k`` its offset ``v<k>``. Threadgroup memory holds two passes' total
 
 from __future__ import annotations
 
-from ..ir import free_symbols, prune
+from ..ir import free_symbols
 from ..schedule import SEGMENTS
 from ..spec import Slot
 from .kernels import (KernelRenderer, StepWriter, _commit_state, _forward_route, _without_outputs,
@@ -266,9 +266,14 @@ class ScanRenderer(KernelRenderer):
 
         grad_type = {t.name: grad_type_name(i) for i, t in enumerate(differentiable)}
 
+        local, counts_hits = self.rec.local_adjoint
+        hit_regs = {p.slot: f"lam_hits_{p.block}" for p in self.products if p.hits}
+
         def route(store, value, in_loop, pad):
             if store.kind == "lambda":
                 return [], [f"{pad}{lam_regs[store.slot]} = {value};"]
+            if store.kind == "hits":  # adds to the block's count
+                return [], [f"{pad}{hit_regs[store.slot]} += {value};"]
             t, c = spec.inputs[store.slot.tensor], store.slot.component
             if t.has_time:  # in the gradient buffer's dtype (the input's, see ScanPasses)
                 target = grad_target(t, c, True)
@@ -285,18 +290,20 @@ class ScanRenderer(KernelRenderer):
                               f"{nm[('base', t.name)]}{''.join(extra)};")
 
         recompute = _without_outputs(self.rec.forward_program)
-        local = prune(adj.program, lambda store: store.kind == "lambda")
-        # the adjoint map of a run: λ_end -> Pᵀ λ_end + local
+        # the adjoint map of a run: λ_end -> Pᵀ λ_end + local, with the local sweep's zero
+        # hits where it counts them (``Recurrence.local_adjoint``)
         lam_own = {}
         for p in self.products:
             if p.hits:
+                if counts_hits:
+                    lam_own[f"z{p.block}"] = hit_regs[p.slot]
                 continue
             lam_own[f"a{p.block}_{p.col}{p.row}"] = nm[("state", p.symbol)]
         for k, s in enumerate(self.slots):
             lam_own[f"v{k}"] = lam_regs[s]
-        lam_pass = self._pass(lam_own, 1, hits=False)
+        lam_pass = self._pass(lam_own, 1, hits=counts_hits)
         lam_pass["enter"] = self._apply(lambda f: f"E_{f}", lam_pass["starts"],
-                                        [lam_regs[s] for s in self.slots], hits=False)
+                                        [lam_regs[s] for s in self.slots], hits=counts_hits)
         ctx = self._context("backward")
         for st, s in zip(ctx["scan_states"], self.slots):
             st["lam"] = lam_regs[s]
@@ -304,6 +311,7 @@ class ScanRenderer(KernelRenderer):
                    lambda_pass=lam_pass, grad_bases=grad_bases, accumulators=accumulators,
                    recompute_loads=writer.step_loads(recompute, "        "),
                    recompute=writer.program(recompute, _commit_state(spec, nm), "        "),
+                   local_hits=sorted(hit_regs.values()) if counts_hits else [],
                    local_loads=writer.step_loads(local, "        "),
                    local=writer.program(local, route, "        "),
                    loads=writer.step_loads(adj.program, "        "),
