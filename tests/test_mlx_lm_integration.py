@@ -440,6 +440,32 @@ def test_gated_delta_update_plan_follows_the_patch(monkeypatch):
     assert len(ran) == 8 and ran[6] == ran[7] and ran[6][0] == "metal-sim"
 
 
+def test_ssm_update_runs_the_matrix_form_like_ssm_attn(monkeypatch):
+    """Under the patch's ``auto`` the SSD runs the matrix form (mlx-lm's ``ssm_attn`` is the
+    chunkwise matmul form) where its products are MLX matmuls; a decode step runs what ``auto``
+    picks, and an explicit schedule is kept."""
+    ran = []
+    run = CallPlan.run
+    monkeypatch.setattr(CallPlan, "run", lambda self, *a: ran.append(
+        (self.backend.name, self.schedule)) or run(self, *a))
+    args = ssm_inputs()
+    step = {**{k: v[:, :1] if v.ndim > 1 else v for k, v in args.items()},
+            "state": normal(3, 4, 8, 16, seed=51)}
+    for backend, schedule, arguments, want in [
+            ("mlx", "auto", args, ("mlx", "matrix")),
+            ("mlx", "auto", step, ("mlx", "sequential")),
+            ("mlx", "sequential", args, ("mlx", "sequential")),
+            ("metal-sim", "auto", args, None)]:
+        ran.clear()
+        with patch(backend=backend, schedule=schedule):
+            got = ssm.ssm_update(**arguments)
+        assert_close(got, ssm.ssm_update(**arguments), what=f"{backend} {schedule}")
+        if want is None:  # the matrix kernels would run: auto stays auto
+            assert len(ran) == 1 and ran[0][1] != "matrix", ran
+        else:
+            assert ran == [want], (backend, schedule, ran)
+
+
 @pytest.mark.parametrize("case", ["no h0", "h0", "decode", "decode, no h0"])
 def test_rnn_scan_arguments(case, recurrence_calls):
     L = 1 if case.startswith("decode") else 19
