@@ -5,7 +5,8 @@
 
 Peers (PyTorch): flash-linear-attention's ``fused_recurrent_simple_gla``, ``chunk_simple_gla``,
 ``fused_recurrent_gla`` (per-channel decay ``gk``), ``chunk_gla``,
-``fused_recurrent_gated_delta_rule``, ``chunk_gated_delta_rule``; accelerated-scan's
+``fused_recurrent_gated_delta_rule``, ``chunk_gated_delta_rule``, ``fused_recurrent_delta_rule``,
+``chunk_delta_rule``, ``fused_recurrent_rwkv7``, ``chunk_rwkv7``; accelerated-scan's
 ``scalar.scan``. Ours (MLX): the ``cuda`` backend with ``schedule="sequential"``,
 ``"chunked"`` and ``"matrix"`` (where each applies; ``--schedules`` picks), and the per-step MLX
 loop (``rec.reference``, at the smaller shapes).
@@ -21,6 +22,8 @@ Mappings: SSD's ``h[p,n] <- exp(delta A[n]) h + delta B[n] u[p]; y = C.h`` is GL
 ``q=C, k=delta*B, v=u, gk=delta*A`` (FLA gets those precomputed: its gradients are w.r.t.
 ``q, k, v, gk``, ours w.r.t. ``u, delta, B, C, A``). FLA's gates are in log space; ``scale=1``.
 accelerated-scan takes ``[B, D, T]`` (its native layout, transposed outside the timing).
+DeltaNet and RWKV-7 are the bundled specs, on the peers' own inputs (RWKV-7 in FLA's form:
+``w`` the log decay, ``a = -kk``, ``b = kk * a_t``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ CASES = [  # (spec, shape, also time the per-step MLX loop)
     ("gla", dict(B=8, L=4096, H=16, K=64, V=64), False),
     ("gated_delta", dict(B=3, L=2048, H=12, K=64, V=64), False),
     ("gated_delta", dict(B=8, L=4096, H=16, K=64, V=64), False),
+    ("deltanet", dict(B=3, L=2048, H=12, K=64, V=64), False),
+    ("deltanet", dict(B=8, L=4096, H=16, K=64, V=64), False),
+    ("rwkv7", dict(B=3, L=2048, H=12, K=64, V=64), False),
+    ("rwkv7", dict(B=8, L=4096, H=16, K=64, V=64), False),
 ]
 
 
@@ -83,10 +90,21 @@ def make_inputs(name, s, rng):
         return [u(0.5, 0.99, B, L, D) * np.where(rng.uniform(size=(B, L, D)) < 0.5, -1, 1).astype(np.float32),
                 n(B, L, D)]
     H, K, V = s["H"], s["K"], s["V"]
-    k = n(B, L, H, K)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    return [n(B, L, H, K, scale=K ** -0.5), k, n(B, L, H, V), np.log(u(0.9, 1.0, B, L, H)),
-            u(0.1, 0.9, B, L, H)]
+
+    def unit(*shape):
+        x = n(*shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    if name == "rwkv7":  # FLA's form: a = -kk, b = kk * a_t, kk a unit key, a_t in (0, 1)
+        kk = unit(B, L, H, K)
+        return [n(B, L, H, K, scale=K ** -0.5), np.log(u(0.9, 1.0, B, L, H, K)),
+                n(B, L, H, K, scale=K ** -0.5), n(B, L, H, V), -kk,
+                kk * u(0.0, 1.0, B, L, H, K)]
+    if name == "deltanet":
+        return [n(B, L, H, K, scale=K ** -0.5), unit(B, L, H, K), n(B, L, H, V),
+                u(0.1, 0.9, B, L, H)]
+    return [n(B, L, H, K, scale=K ** -0.5), unit(B, L, H, K), n(B, L, H, V),
+            np.log(u(0.9, 1.0, B, L, H)), u(0.1, 0.9, B, L, H)]
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -178,8 +196,12 @@ def peer_call(peer, name, xs):
         if peer == "fused_recurrent_gla":
             return (lambda q, k, v, gk: f(q, k, v, gk=gk, scale=1.0)[0]), [C, k, u, gk]
         return (lambda q, k, v, gk: f(q, k, v, g=gk, scale=1.0)[0]), [C, k, u, gk]
-    q, k, v, g, beta = xs
     f = getattr(ops, peer)
+    if name == "deltanet":
+        return (lambda q, k, v, beta: f(q, k, v, beta=beta, scale=1.0)[0]), xs
+    if name == "rwkv7":
+        return (lambda r, w, k, v, a, b: f(r, w, k, v, a, b, scale=1.0)[0]), xs
+    q, k, v, g, beta = xs
     return (lambda q, k, v, g, beta: f(q, k, v, g=g, beta=beta, scale=1.0)[0]), [q, k, v, g, beta]
 
 
@@ -213,6 +235,8 @@ PEERS = {
     "ssd": ["fused_recurrent_gla", "chunk_gla"],
     "rglru": ["accelerated_scan.scalar"],
     "gated_delta": ["fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule"],
+    "deltanet": ["fused_recurrent_delta_rule", "chunk_delta_rule"],
+    "rwkv7": ["fused_recurrent_rwkv7", "chunk_rwkv7"],
 }
 
 
@@ -271,8 +295,8 @@ def run_case(name, shape, with_loop, dtype, reps, rng, wanted=("sequential", "ch
     """Every implementation of one case at one dtype, on the same inputs."""
     rec = gated_delta if name == "gated_delta" else rg.load_spec(name)
     xs = make_inputs(name, shape, rng)
-    out_shape = {"gla": ("B", "L", "H", "V"), "ssd": ("B", "L", "H", "P"),
-                 "rglru": ("B", "L", "D"), "gated_delta": ("B", "L", "H", "V")}[name]
+    out_shape = ("B", "L", "H", "P") if name == "ssd" else ("B", "L", "D") if name == "rglru" \
+        else ("B", "L", "H", "V")
     w = rng.standard_normal(tuple(shape[a] for a in out_shape)).astype(np.float32)
     mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
     row = dict(spec=name, shape=shape, dtype=dtype, runs={})
