@@ -40,7 +40,7 @@ class Accumulate:
 
 @dataclass(frozen=True)
 class Store:
-    kind: str  # "state" | "output" | "lambda" | "grad"
+    kind: str  # "state" | "output" | "lambda" | "grad" | "hits" (adds to a zero-hit count)
     slot: Slot
     expr: sympy.Expr
 
