@@ -423,18 +423,20 @@ def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list)
     """The adjoint's ``λ`` statements for a sweep from a zero ``λ`` (a segment's or a run's
     local adjoint; ``adjoint`` is ``adjoint.Adjoint``), and whether they count zero hits.
 
-    The adjoint of an affine step is ``λ_j <- Σ_i M_ij w_i`` with ``w_i = λ_i + u_i``, the
-    cotangent that reaches the updated state (``u`` from the outputs that read it). From a zero
-    ``λ`` an infinite ``M`` meets ``w = 0`` where the sequential sweep, from the true ``λ``, may
-    not. As in the forward summary, the store becomes ``scale(M, w)`` and a count of zero hits
-    per block (stores of kind ``hits``, which add to the block's count: per element where the
-    block has the state axis), and the carry gives NaN where the incoming adjoint is zero too.
+    The adjoint of an affine step is ``λ_j <- Σ_i M_ij w_i + r_j`` with ``w_i = λ_i + u_i``, the
+    cotangent that reaches the updated state (``u`` from the outputs that read it), and ``r``
+    from outputs that read the state before the step (RWKV-6's). From a zero ``λ`` an infinite
+    ``M`` meets ``w = 0`` where the sequential sweep, from the true ``λ``, may not. As in the
+    forward summary, the store becomes ``scale(M, w) + r`` and a count of zero hits per block
+    (stores of kind ``hits``, which add to the block's count: per element where the block has
+    the state axis), and the carry gives NaN where the incoming adjoint is zero too.
 
-    A store is ``M w`` where its expression, temporaries substituted, divided by ``M`` has no
-    denominator and the derivative 1 in the slot's own ``λ``. Where a state's store is not so
-    (a block of several slots, a state without the lane axis, whose ``λ`` is a lane's share,
-    or an output that reads the state before the step), the plain ``λ`` statements are
-    returned and no hits are counted."""
+    For a single-slot block the store's expression, temporaries substituted, is ``M w`` where
+    it divided by ``M`` has no denominator and the derivative 1 in the slot's own ``λ`` (then
+    ``r = 0``); or ``M λ + r`` where no term of ``r`` is a multiple of ``M`` (then ``u = 0``).
+    Where a state's store is neither (a block of several slots, a state without the lane axis,
+    whose ``λ`` is a lane's share, or outputs that read the state both before and after the
+    step), the plain ``λ`` statements are returned and no hits are counted."""
     plain = prune(adjoint.program, lambda store: store.kind == "lambda")
     if any(blk.size != 1 for blk in form.blocks) or not all(
             t.has_lane for t in ir.spec.states.values()):
@@ -442,6 +444,21 @@ def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list)
     block_of = {blk.slots[0]: b for b, blk in enumerate(form.blocks)}
     hits_slot = {p.block: p.slot for p in products if p.hits}
     defs, factored = {}, []
+
+    def split(expr, m, lam):
+        """``(w, r)`` with ``expr == m w + r`` as above, or None."""
+        full = expr.xreplace(defs)
+        w = sympy.together(full / m)
+        if w.as_numer_denom()[1].is_number and sympy.expand(sympy.diff(w, lam)) == 1:
+            return w, sympy.S.Zero
+        full = sympy.expand(full)
+        if sympy.expand(full.coeff(lam) - m) != 0:
+            return None
+        rest = sympy.expand(full - m * lam)
+        if any(sympy.together(t / m).as_numer_denom()[1].is_number
+               for t in sympy.Add.make_args(rest) if t != 0):
+            return None  # part of the rest may be M u: w is not found
+        return lam, rest
 
     def rewrite(statements):
         out = []
@@ -456,11 +473,13 @@ def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list)
                 continue
             b = block_of[st.slot]
             m = form.blocks[b].multiplier[0][0]
-            w = sympy.together(st.expr.xreplace(defs) / m)
-            own = adjoint.state_cotangents[st.slot]
-            factored.append(w.as_numer_denom()[1].is_number
-                            and sympy.expand(sympy.diff(w, own)) == 1)
-            out += [Store("lambda", st.slot, scale(m, w)),
+            parts = split(st.expr, m, adjoint.state_cotangents[st.slot])
+            factored.append(parts is not None)
+            if parts is None:
+                out.append(st)
+                continue
+            w, r = parts
+            out += [Store("lambda", st.slot, scale(m, w) + r),
                     Store("hits", hits_slot[b], zero_hit(m, w))]
         return out
 
