@@ -55,6 +55,7 @@ infinity, never a finite number.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import sympy
 
@@ -419,7 +420,15 @@ def outputs_of_updated_state(ir: StepIR):
     return schedule_forward(StepIR(spec, reductions, {}, outputs, ir.vector, ir.namer))
 
 
-def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list) -> tuple:
+class LocalAdjoint(NamedTuple):
+    """The step of a local adjoint (``local_adjoint_program``): its program, and whether that
+    counts zero hits (stores of kind ``hits``)."""
+
+    program: Program
+    counts_hits: bool
+
+
+def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list) -> LocalAdjoint:
     """The adjoint's ``λ`` statements for a sweep from a zero ``λ`` (a segment's or a run's
     local adjoint; ``adjoint`` is ``adjoint.Adjoint``), and whether they count zero hits.
 
@@ -440,7 +449,7 @@ def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list)
     plain = prune(adjoint.program, lambda store: store.kind == "lambda")
     if any(blk.size != 1 for blk in form.blocks) or not all(
             t.has_lane for t in ir.spec.states.values()):
-        return plain, False
+        return LocalAdjoint(plain, False)
     block_of = {blk.slots[0]: b for b, blk in enumerate(form.blocks)}
     hits_slot = {p.block: p.slot for p in products if p.hits}
     defs, factored = {}, []
@@ -485,8 +494,8 @@ def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list)
 
     rewritten = Program(rewrite(plain.statements), plain.vector)
     if not all(factored):
-        return plain, False
-    return prune(rewritten, lambda store: True), True
+        return LocalAdjoint(plain, False)
+    return LocalAdjoint(prune(rewritten, lambda store: True), True)
 
 
 @dataclass(frozen=True)
@@ -506,7 +515,8 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
                           step_maps_program(ir, form, list(products)))
 
 
-__all__ = ["AffineBlock", "AffineForm", "LowRankRead", "ProductEntry", "SegmentSummary",
+__all__ = ["AffineBlock", "AffineForm", "LocalAdjoint", "LowRankRead", "ProductEntry",
+           "SegmentSummary",
            "analyse", "compose", "local_adjoint_program", "outputs_of_updated_state",
            "product_entries", "scale",
            "segment_summary", "step_maps_program", "summary_program", "zero_hit"]

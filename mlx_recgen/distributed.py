@@ -675,7 +675,7 @@ class _Segments:
     def local_adjoint(self, inputs, start, residuals, d_out):
         n = self.n_state
         meta = self.impl._meta(self.sizes, self.sch)
-        shapes = self.shares + (self.hits if self.rec.local_adjoint[1] else [])
+        shapes = self.shares + (self.hits if self.rec.local_adjoint.counts_hits else [])
         summaries = self._run("local_adjoint", meta, [*_buffers(inputs), *residuals[:n], *d_out],
                               shapes, [mx.float32] * len(shapes), _dtypes_text([*inputs, *d_out]))
         local, hits = summaries[:n], summaries[n:]

@@ -127,8 +127,8 @@ class Recurrence:
 
     @functools.cached_property
     def local_adjoint(self):
-        """The chunked and scan backwards' local-adjoint step, ``(program, counts_hits)``
-        (``affine.local_adjoint_program``), derived once for every rendering of it."""
+        """The chunked and scan backwards' local-adjoint step (``affine.LocalAdjoint``: its
+        program and whether it counts zero hits), derived once for every rendering of it."""
         return local_adjoint_program(self.ir, self.affine, self.adjoint,
                                      list(self.segment_summary.products))
 

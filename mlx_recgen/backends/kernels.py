@@ -160,7 +160,7 @@ class KernelBackend:
         prods = [ChunkedRenderer.product_buffer(b) for b in range(len(self.rec.affine.blocks))]
         hits = [ChunkedRenderer.hits_buffer(b) for b in range(len(self.rec.affine.blocks))]
         backward_hits = hits if kind in ("local_adjoint", "adjoint_carry") and \
-            self.rec.local_adjoint[1] else []
+            self.rec.local_adjoint.counts_hits else []
         d_outs = [ids["d", t] for t in s.outputs]
         lamend = [ids["lamend", t] for t in s.states]
         table = {
@@ -420,7 +420,8 @@ class KernelBackend:
         dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
         buffers = [_as_buffer(x) for x in inputs]
         f32 = mx.float32
-        hit_shapes = self._hits_shapes(sizes, sch, instances) if self.rec.local_adjoint[1] else []
+        hit_shapes = (self._hits_shapes(sizes, sch, instances)
+                      if self.rec.local_adjoint.counts_hits else [])
         summaries = self._run("local_adjoint", sch, sizes, meta, [*buffers, *ckpts, *d_outputs],
                               shares + hit_shapes, [f32] * (n_state + len(hit_shapes)), dtypes)
         local, hits = list(summaries[:n_state]), list(summaries[n_state:])

@@ -114,11 +114,12 @@ class ChunkedRenderer(KernelRenderer):
         (lane 0 seeded with the final state's cotangent) and stores it per lane."""
         spec, nm = self.spec, self.names
         updates = []
+        # the forward summary counts zero hits; the local adjoint where it has the form for it
+        counts_hits = self.rec.local_adjoint.counts_hits if reverse else True
         for b, block in enumerate(self.form.blocks):
             regs = [nm[("state", spec.symbols[s])] for s in block.slots]
             tensors = [spec.states[s.tensor] for s in block.slots]  # a block may span tensors
             lines = [f"const float old_{i} = {regs[i]};" for i in range(block.size)]
-            counts_hits = self.rec.local_adjoint[1] if reverse else True
             for p in self.products:
                 if p.block == b and not (p.hits and not counts_hits):
                     name = "hits" if p.hits else f"p_{p.row}{p.col}"
