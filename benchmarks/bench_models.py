@@ -17,7 +17,9 @@ a training step (forward + backward of the cross-entropy, ``nn.value_and_grad``;
 length ``--train``), prefill of ``--prefill`` tokens into a prompt cache, decoding per token
 after it, and peak memory of the training step (``mx.get_peak_memory``). Times are medians of
 ``--reps`` after a warm-up; the patched model's training loss is checked against the
-unpatched one.
+unpatched one. The decode time is the median of ``--decode`` tokens of one run per model and
+patch, in turn: for decoding alone, ``bench_decode.py`` alternates the runs and splits a token
+into building and evaluating its graph.
 """
 
 from __future__ import annotations
