@@ -33,6 +33,17 @@ def causal(C: int):
     return i[:, None] > i[None, :]
 
 
+def causal_weights(log_d):
+    """``exp(Σ_{j<s<t} log_d[s])`` for ``j < t``, else 0: ``(..., C, C, X)`` from
+    ``(..., C, X)``. Each exponent is the sum of its own range (a reverse cumulative sum per
+    row), not a difference of two long running sums, so it is as exact as the range allows."""
+    C = log_d.shape[-2]
+    mask = causal(C)[:, :, None]
+    rows = mx.where(mask, log_d[..., None, :, :], 0.0)  # row t: log_d[s] for s < t
+    sums = mx.cumsum(rows, axis=-2, reverse=True, inclusive=False)  # Σ_{j<s<t}
+    return mx.where(mask, mx.exp(mx.where(mask, sums, -mx.inf)), 0.0)
+
+
 def parity(sign, axis):
     """The running product of ``±1`` along ``axis``, from the count of ``-1``s (MLX has no
     forward-mode derivative of ``cumprod``; a sign has no derivative anyway)."""
@@ -40,4 +51,4 @@ def parity(sign, axis):
     return 1.0 - 2.0 * mx.remainder(flips, 2.0)
 
 
-__all__ = ["MatrixChunks", "causal", "parity"]
+__all__ = ["MatrixChunks", "causal_weights", "causal", "parity"]

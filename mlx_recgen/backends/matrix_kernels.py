@@ -12,9 +12,10 @@ the readouts — stays MLX ops, so MLX differentiates it; the core's VJP is
 * per chunk, in MLX ops (batched matmuls): with ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``),
   ``dW = M ∘ (dy @ bᵀ)``, ``W = M ∘ (c @ aᵀ)``:
   ``dc = exp(R) ⊙ (dy @ Sᵀ) + dW @ a``, ``da = dWᵀ @ c + exp(Λ_C - Λ) ⊙ (b @ Gᵀ)``,
-  ``db = Wᵀ @ dy + (a ⊙ exp(Λ_C - Λ)) @ G``; the exponents' gradients are ``Σ_k c ⊙ dc`` on
-  ``R_t``, ``-Σ_k a ⊙ da`` on ``Λ_j`` and ``Σ G ⊙ S_next`` on ``Λ_C``, summed back onto
-  ``log d`` by reverse cumulative sums.
+  ``db = Wᵀ @ dy + (a ⊙ exp(Λ_C - Λ)) @ G``; the cotangents of ``M``, ``exp(R)``,
+  ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` go back onto ``log d`` through MLX's VJP of their
+  exponents, each the sum of its own range as in the kernels (``matrix_chunks.causal_weights``;
+  a difference of two running sums loses the digits of their magnitude).
 
 Kernels are rendered by ``render/matrix.py`` and built once per (shape, flags); the chunk the
 kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most 64.
@@ -31,7 +32,7 @@ from ..render.dialects import DIALECTS
 from ..render.matrix import STATE_TILE, THREADS, MatrixKernelShape, MatrixRenderer, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
-from .matrix_chunks import MatrixChunks, causal, parity
+from .matrix_chunks import MatrixChunks, causal_weights, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
 # verifies is what a Mac runs); not on CUDA, where on an H100 they are no faster than MLX's own
@@ -158,31 +159,38 @@ class MatrixKernels:
         chunks = MatrixChunks(c.shape[1], C, 1)
         cc, ac, bc, dyc = (chunks.cut(x) for x in (c, a, b, dy))
         lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
-        cum = mx.cumsum(lam, axis=-2)
-        row = cum if shape.inclusive else cum - lam
-        whole = cum[..., -1:, :]
-        mask = causal(C)
-        M = mx.where(mask, mx.exp(mx.where(mask, row - mx.swapaxes(cum, -1, -2), 0.0)), 0.0)
-        e_row, e_end = mx.exp(row), mx.exp(whole - cum)
+
+        def decays(lam):
+            """The chunk's exponentials, each exponent the sum of its own range (as the
+            kernels', ``matrix_span.j2``): ``M``, ``exp(R)``, ``exp(Λ_C - Λ)``, ``exp(Λ_C)``."""
+            M = causal_weights(lam)[..., 0]  # exp(Σ_{j<s<t}), t > j
+            if shape.inclusive:
+                M = M * mx.exp(lam)
+            row = mx.cumsum(lam, axis=-2, inclusive=shape.inclusive)
+            end = mx.cumsum(lam, axis=-2, reverse=True, inclusive=False)
+            return M, mx.exp(row), mx.exp(end), mx.exp(mx.sum(lam, axis=-2, keepdims=True))
+
+        M, e_row, e_end, _ = decays(lam)
+        s_M = s_row = s_end = s_whole = 1.0
         if sign is not None:  # the sign of d(j+1..t) is par_t par_j (running products)
-            sg = chunks.cut(sign[..., None])
-            par = parity(sg, axis=-2)
-            row_par = par if shape.inclusive else par * sg
-            M = M * row_par * mx.swapaxes(par, -1, -2)
-            e_row, e_end = e_row * row_par, e_end * par[..., -1:, :] * par
-        tr = lambda x: mx.swapaxes(x, -1, -2)
-        W = (cc @ tr(ac)) * M
-        dW = (dyc @ tr(bc)) * M
+            par = parity(chunks.cut(sign[..., None]), axis=-2)
+            s_row = par if shape.inclusive else par * chunks.cut(sign[..., None])
+            s_whole = par[..., -1:, :]
+            s_M, s_end = s_row * mx.swapaxes(par, -1, -2), s_whole * par
+        tr = lambda x: mx.swapaxes(x, -1, -2)  # noqa: E731
+        CA, DB = cc @ tr(ac), dyc @ tr(bc)  # (I, nc, C, C)
+        W, dW = CA * (M * s_M), DB * (M * s_M)
         b_G = bc @ tr(leaving)  # (I, nc, C, K)
-        dc = e_row * (dyc @ tr(starts)) + dW @ ac
-        da = tr(dW) @ cc + e_end * b_G
-        db = tr(W) @ dyc + (ac * e_end) @ leaving
-        nxt = mx.concatenate([starts[:, 1:], last[:, None]], axis=1)
-        d_row = mx.sum(cc * dc, axis=-1, keepdims=True)
-        d_cum = -mx.sum(ac * da, axis=-1, keepdims=True)
-        d_whole = mx.sum(leaving * nxt, axis=(-2, -1))[..., None, None]
-        d_lam = (mx.cumsum(d_cum, axis=-2, reverse=True)
-                 + mx.cumsum(d_row, axis=-2, reverse=True, inclusive=shape.inclusive) + d_whole)
+        dy_S = dyc @ tr(starts)  # (I, nc, C, K)
+        dc = e_row * s_row * dy_S + dW @ ac
+        da = tr(dW) @ cc + e_end * s_end * b_G
+        db = tr(W) @ dyc + (ac * e_end * s_end) @ leaving
+        # the exponentials' cotangents, taken back onto log d by MLX through the range sums
+        cotangents = [DB * CA * s_M,
+                      s_row * mx.sum(cc * dy_S, axis=-1, keepdims=True),
+                      s_end * mx.sum(ac * b_G, axis=-1, keepdims=True),
+                      s_whole * mx.sum(leaving * starts, axis=(-2, -1))[..., None, None]]
+        d_lam = mx.vjp(decays, [lam], cotangents)[1][0]
         return chunks.join(dc), chunks.join(da), chunks.join(db), chunks.join(d_lam)[..., 0]
 
 

@@ -21,11 +21,12 @@ b_r``, outputs from readouts ``Σ_n c_t[n] S_{t-1}[n, :]``), the sequence is cut
   chunks (``_carry``: no loop over chunks).
 
 Every exponent is the sum of its own range of ``log |d|`` (a masked reverse cumulative sum,
-``_between``), not a difference of two running sums, so it is as exact as the range allows;
-the excluded entries are masked to ``-inf`` before ``exp``, and for decays ``|d| ≤ 1`` no
-factor exceeds 1. A multiplier whose sign is not known symbolically carries its sign as a
-running parity of ``-1``s (``matrix_chunks.parity``). A non-finite value spreads NaN over the
-products it enters (``0 · inf``), wider than in the sequential schedule: see docs/matrix.md.
+``matrix_chunks.causal_weights``), not a difference of two running sums, so it is as exact as
+the range allows; the excluded entries are masked to ``-inf`` before ``exp``, and for decays
+``|d| ≤ 1`` no factor exceeds 1. A multiplier whose sign is not known symbolically carries its
+sign as a running parity of ``-1``s (``matrix_chunks.parity``). A non-finite value spreads NaN
+over the products it enters (``0 · inf``), wider than in the sequential schedule: see
+docs/matrix.md.
 
 Everything is MLX ops (``mx.matmul``: MLX's GEMM on every device), so the backward is MLX's
 VJP of the same computation, recomputed from the inputs (nothing is kept from the forward but
@@ -44,7 +45,7 @@ from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
-from .matrix_chunks import MatrixChunks, causal, parity
+from .matrix_chunks import MatrixChunks, causal_weights, parity
 from .matrix_kernels import enabled as kernels_enabled
 from .matrix_kernels import kernel_chunk, kernel_flags, matrix_kernels
 from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
@@ -78,17 +79,6 @@ def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> 
     return Program(statements, frozenset(ir.vector))
 
 
-def _between(log_d):
-    """``exp(Σ_{j<s<t} log_d[s])`` for ``j < t``, else 0: ``(..., C, C, X)`` from
-    ``(..., C, X)``. Each exponent is the sum of its own range (a reverse cumulative sum per
-    row), not a difference of two long running sums, so it is as exact as the range allows."""
-    C = log_d.shape[-2]
-    mask = causal(C)[:, :, None]
-    rows = mx.where(mask, log_d[..., None, :, :], 0.0)  # row t: log_d[s] for s < t
-    sums = mx.cumsum(rows, axis=-2, reverse=True, inclusive=False)  # Σ_{j<s<t}
-    return mx.where(mask, mx.exp(mx.where(mask, sums, -mx.inf)), 0.0)
-
-
 def _carry(S0, whole, sign, U):
     """The states at every chunk's start and after the last chunk, from the initial state
     ``S0`` ``(*batch, K, V)``, each chunk's ``log |decay|`` ``whole`` ``(*batch, nc, 1 or K)``
@@ -96,7 +86,7 @@ def _carry(S0, whole, sign, U):
     causal weights one level up, ``S_start[c] = Σ_{c' < c} d(c'+1..c-1) U[c'] + d(0..c-1) S0``,
     as one product over chunks (no loop over them)."""
     vector = whole.shape[-1] > 1
-    weights = _between(whole)  # (*batch, nc, nc, 1 or K)
+    weights = causal_weights(whole)  # (*batch, nc, nc, 1 or K)
     before = mx.exp(mx.cumsum(whole, axis=-2, inclusive=False))  # d(0..c-1)
     after = mx.exp(mx.cumsum(whole, axis=-2, reverse=True, inclusive=False))  # d(c+1..)
     total = mx.exp(mx.sum(whole, axis=-2))
@@ -432,7 +422,7 @@ class MatrixForm(SequentialForm):
             # underflows anyway
             log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
             # a scalar decay's causal weights, one [C, C] matrix for every product of the state
-            between = None if st.vector_decay else _between(log_d)[..., 0]
+            between = None if st.vector_decay else causal_weights(log_d)[..., 0]
             from_start = mx.cumsum(log_d, axis=-2, inclusive=False)  # Σ_{s<t}
             to_end = mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False)  # Σ_{s>j}
             whole = mx.sum(log_d, axis=-2, keepdims=True)
@@ -636,20 +626,21 @@ class MatrixForm(SequentialForm):
         """The causal weights ``W[t, j] = Σ_k c[t,k] a[j,k] d(j+1..t-1)[k]`` for ``j < t`` of
         every chunk: ``(*batch, nc, C, C)``."""
         if not vector_decay:
-            return mm(c, mx.swapaxes(a, -1, -2)) * _between(log_d)[..., 0]
+            return mm(c, mx.swapaxes(a, -1, -2)) * causal_weights(log_d)[..., 0]
         C, K = c.shape[-2:]
         sub = min(SUB, C) if C % min(SUB, C) == 0 else C
         P, lead = C // sub, c.shape[:-2]
         c, a, log_d = (x.reshape(*lead, P, sub, K) for x in (c, a, log_d))
         # within a sub-chunk: element by element
-        inner = mx.sum(c[..., :, :, None, :] * a[..., :, None, :, :] * _between(log_d), axis=-1)
+        inner = mx.sum(c[..., :, :, None, :] * a[..., :, None, :, :] * causal_weights(log_d),
+                       axis=-1)
         if P == 1:
             return inner.reshape(*lead, C, C)
         # between sub-chunks q < p: the decay from j to the end of q, over the sub-chunks
         # strictly between, and from the start of p to t (every factor <= 1 for decays)
         c = c * mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))
         a = a * mx.exp(mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False))
-        across = _between(mx.sum(log_d, axis=-2))  # (.., P, P, K)
+        across = causal_weights(mx.sum(log_d, axis=-2))  # (.., P, P, K)
         w = mm(c[..., :, None, :, :] * across[..., :, :, None, :],
                mx.swapaxes(a[..., None, :, :, :], -1, -2))  # (.., P, P, sub, sub)
         eye = mx.eye(P, dtype=mx.bool_)[:, :, None, None]

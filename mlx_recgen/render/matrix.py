@@ -47,7 +47,7 @@ def shared_floats(C: int, KT: int, VT: int, pads=(0, 0)) -> dict:
     """Floats of group memory each kernel declares (the states kernel with its own tiles,
     ``STATE_TILE``); ``pads``: ``Dialect.matrix_pads``."""
     rows, cols = pads
-    per_step = 10 * C  # log d, two partial sums, Λ, R, and (signed) the same of the signs
+    per_step = 11 * C  # log d, two partial sums, Λ, R, Λ_C - Λ, and (signed) those of the signs
     ST = STATE_TILE
     return {"states": C * (ST + cols) + C * (ST + cols) + ST * ST + per_step,
             "outputs": max(2 * C * (KT + rows), C * (VT + cols)) + C * (C + rows)
@@ -110,7 +110,7 @@ class MatrixRenderer:
         else:
             ctx.update(reverse=False, x_doc="a[j] exp(Λ_C - Λ_j)", y_doc="b[j]",
                        x_scale=("whole_sign * par[j] * " if s.signed else "")
-                       + f"{exp}(whole - cum[j])")
+                       + f"{exp}(tail[j])")
         return environment().get_template("matrix_states.j2").render(**ctx)
 
     def outputs(self) -> str:
