@@ -457,7 +457,7 @@ def local_adjoint_program(ir: StepIR, form: AffineForm, adjoint, products: list)
     def split(expr, m, lam):
         """``(w, r)`` with ``expr == m w + r`` as above, or None."""
         full = expr.xreplace(defs)
-        w = sympy.together(full / m)
+        w = sympy.piecewise_fold(sympy.together(full / m))  # a masked M: branch by branch
         if w.as_numer_denom()[1].is_number and sympy.expand(sympy.diff(w, lam)) == 1:
             return w, sympy.S.Zero
         full = sympy.expand(full)
