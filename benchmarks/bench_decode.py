@@ -52,7 +52,9 @@ def helper_cases(dtype):
     import mlx_lm.models.gated_delta as gated_delta
     import mlx_lm.models.ssm as ssm
 
-    r = lambda *shape: mx.random.normal(shape).astype(dtype)  # noqa: E731
+    def r(*shape):
+        return mx.random.normal(shape).astype(dtype)
+
     ssd = dict(hidden_states=r(1, 1, 32, 64), A_log=mx.random.normal((32,)), B=r(1, 1, 1, 128),
                C=r(1, 1, 1, 128), D=mx.random.normal((32,)), dt=r(1, 1, 32),
                dt_bias=mx.random.normal((32,)), state=r(1, 32, 64, 128))

@@ -427,7 +427,8 @@ class _FlatMaps:
     """Arrays by key, of fixed shapes (``shapes``), as one flat fp32 vector in a fixed order:
     the same layout on every rank, whichever way its chunk's summary was computed."""
 
-    shapes: dict
+    def __init__(self, shapes: dict):
+        self.shapes = shapes
 
     @property
     def keys(self) -> list:
@@ -481,9 +482,7 @@ class _Products(_FlatMaps):
     @property
     def hits(self) -> "_FlatMaps":
         """The layout of a chunk's local adjoint's zero hits: those of ``P``'s."""
-        layout = _FlatMaps()
-        layout.shapes = {k: v for k, v in self.shapes.items() if k[1] == "hits"}
-        return layout
+        return _FlatMaps({k: v for k, v in self.shapes.items() if k[1] == "hits"})
 
 
 class _Transitions(_FlatMaps):
@@ -506,9 +505,7 @@ class _Transitions(_FlatMaps):
     @property
     def hits(self) -> _FlatMaps:
         """None counted: the backend's passes give the local adjoint (``_Passes``)."""
-        layout = _FlatMaps()
-        layout.shapes = {}
-        return layout
+        return _FlatMaps({})
 
 
 # ---------------------------------------------------------------------------------------------
