@@ -423,7 +423,7 @@ class MatrixForm(SequentialForm):
             log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
             # a scalar decay's causal weights, one [C, C] matrix for every product of the state
             between = None if st.vector_decay else causal_weights(log_d)[..., 0]
-            from_start = mx.cumsum(log_d, axis=-2, inclusive=False)  # Σ_{s<t}
+            from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))  # |d(1..t-1)|
             to_end = mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False)  # Σ_{s>j}
             whole = mx.sum(log_d, axis=-2, keepdims=True)
             terms = [(chunks.cut(f[("a", s, None, r)]), self.level[("a", s, None, r)],
@@ -448,7 +448,8 @@ class MatrixForm(SequentialForm):
                                  "those of delta-rule states")
             if st.low_rank:  # a delta rule: its reads solved, they are one more added term
                 S_start, S, solved, P = self._solve_reads(st, s, f, terms, log_d, between,
-                                                          to_end, whole, (sign, sign_ex, sign_end),
+                                                          from_start, to_end, whole,
+                                                          (sign, sign_ex, sign_end),
                                                           U, S0, chunks, members)
                 if transitions:
                     maps.append(_compose_chunk_maps(P))
@@ -473,15 +474,15 @@ class MatrixForm(SequentialForm):
                 c_t, lc = chunks.cut(f[("c", s, i, None)]), self.level[("c", s, i, None)]
                 if st.vector_decay:
                     c_t = c_t if sign_ex is None else c_t * sign_ex
-                    y = mm(c_t * mx.exp(from_start), S_start)
+                    y = mm(c_t * from_start, S_start)
                     for a, _, b in terms:
                         a = a if sign is None else a * sign
-                        y = y + mm(self._scores(c_t, a, log_d, True, mm), b)
+                        y = y + mm(self._scores(c_t, a, log_d, mm), b)
                     readouts[i] = readouts.get(i, 0.0) + y
                     continue
                 # a scalar decay: its weights are per step (rows t, columns j), out of the
                 # products, so ``c @ aᵀ`` runs per group where c and a are per group
-                row, w = mx.exp(from_start), between
+                row, w = from_start, between
                 if sign is not None:
                     row, w = row * sign_ex, w * sign_ex * mx.swapaxes(sign, -1, -2)
                 if st.symbol in ro.decayed:  # a scalar decay taken out of c: d_t on row t
@@ -548,8 +549,8 @@ class MatrixForm(SequentialForm):
         y, S, _ = core(flat(c), flat(a), flat(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
 
-    def _solve_reads(self, st, s, f, terms, log_d, between, to_end, whole, signs, U, S0, chunks,
-                     members):
+    def _solve_reads(self, st, s, f, terms, log_d, between, from_start, to_end, whole, signs, U,
+                     S0, chunks, members):
         """The states at every chunk's start and after the last chunk of a delta-rule state
         (``matrix.py``), its reads ``ρ`` by chunk ``(*batch, nc, C, V)`` by symbol, and its
         chunk maps ``P`` ``(*batch, nc, K, K)``.
@@ -564,7 +565,7 @@ class MatrixForm(SequentialForm):
         precision goes. ``signs``: the running parities of a decay whose sign is not known
         (``(sign(d(..t)), sign(d(..t-1)), sign(d(..C)))``, or Nones), folded into the factors of
         ``t`` and ``j`` as in the readouts; ``to_end`` carries its own. ``between``: a scalar
-        decay's causal weights (None for a vector decay)."""
+        decay's causal weights (None for a vector decay); ``from_start``: ``|d(1..t-1)|``."""
         R = len(st.low_rank)
         vector = st.vector_decay
         sign, sign_ex, sign_end = signs
@@ -581,7 +582,7 @@ class MatrixForm(SequentialForm):
 
         def scores(c, a):
             if vector:
-                return self._scores(c, a, log_d, vector, mx.matmul)
+                return self._scores(c, a, log_d, mx.matmul)
             return (c @ mx.swapaxes(a, -1, -2)) * between
 
         def term(a, la):
@@ -604,7 +605,6 @@ class MatrixForm(SequentialForm):
             read_scores = [{j: along_a}]
         C = log_d.shape[-2]
         T = unit_lower_inverse(A.reshape(*A.shape[:-4], C * R, C * R))
-        from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))  # |d(1..t-1)|
         M = T @ time_major([b * from_start for b in betas])
         inputs = [sum((known[n] if n in known else scores(b, term(a, la))) @ x
                       for n, (a, la, x) in enumerate(terms))
@@ -622,11 +622,10 @@ class MatrixForm(SequentialForm):
         return S_start, S, {p: rho[..., r, :] for r, (p, _, _) in enumerate(st.low_rank)}, P
 
     @staticmethod
-    def _scores(c, a, log_d, vector_decay, mm):
+    def _scores(c, a, log_d, mm):
         """The causal weights ``W[t, j] = Σ_k c[t,k] a[j,k] d(j+1..t-1)[k]`` for ``j < t`` of
-        every chunk: ``(*batch, nc, C, C)``."""
-        if not vector_decay:
-            return mm(c, mx.swapaxes(a, -1, -2)) * causal_weights(log_d)[..., 0]
+        every chunk, for a decay per state element ``log_d`` ``(*batch, nc, C, K)`` (a scalar
+        decay's weights are one ``[C, C]`` matrix, ``between``): ``(*batch, nc, C, C)``."""
         C, K = c.shape[-2:]
         sub = min(SUB, C) if C % min(SUB, C) == 0 else C
         P, lead = C // sub, c.shape[:-2]
