@@ -86,6 +86,7 @@ every rank must evaluate (or differentiate) what its call returns, as with any c
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import mlx.core as mx
@@ -430,11 +431,11 @@ class _FlatMaps:
     def __init__(self, shapes: dict):
         self.shapes = shapes
 
-    @property
-    def keys(self) -> list:
+    @functools.cached_property
+    def keys(self) -> list:  # the shapes are fixed once made: keys and size are taken once
         return list(self.shapes)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return sum(int(np.prod(s)) for s in self.shapes.values())
 
@@ -533,7 +534,7 @@ class _Passes:
                                       self.out_dtype, **self.options)[1]
         # the passes run the steps from a zero state: where they met inf * 0, b is NaN already
         products = chunk_products(self.rec, inputs, self.sizes)
-        products.update({(b, "hits"): mx.array(0.0) for b in range(len(self.rec.affine.blocks))})
+        products.update(_no_hits(self.rec))
         return products, self.states.canonical(local_end), None
 
     def forward(self, inputs, start, memo):
@@ -548,8 +549,7 @@ class _Passes:
         from a zero cotangent met any ``inf * 0`` itself), and what ``backward`` reuses."""
         lam = self.impl.backward(inputs, start, residuals, d_out, self.states.zeros(), self.sizes,
                                  self.seg, **self.options)[1]
-        hits = {(b, "hits"): mx.array(0.0) for b in range(len(self.rec.affine.blocks))}
-        return self.states.canonical(lam), hits, None
+        return self.states.canonical(lam), _no_hits(self.rec), None
 
     def backward(self, inputs, start, residuals, d_out, lam_end, memo):
         """``(input gradients, start-state gradients)`` from the end adjoint (declared)."""
@@ -696,6 +696,11 @@ class _Segments:
                             shapes, [mx.float32] * len(shapes), _dtypes_text([*inputs, *d_out]))
         return (impl._finish_grads(inputs, results, self.sizes, self.sch),
                 impl._finish_d_init(d_start, start))
+
+
+def _no_hits(rec) -> dict:
+    """A count of zero hits of none, per block (``_Products``' layout)."""
+    return {(b, "hits"): mx.array(0.0) for b in range(len(rec.affine.blocks))}
 
 
 def _buffers(inputs) -> list:

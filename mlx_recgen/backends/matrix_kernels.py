@@ -177,7 +177,10 @@ class MatrixKernels:
             s_row = par if shape.inclusive else par * chunks.cut(sign[..., None])
             s_whole = par[..., -1:, :]
             s_M, s_end = s_row * mx.swapaxes(par, -1, -2), s_whole * par
-        tr = lambda x: mx.swapaxes(x, -1, -2)  # noqa: E731
+
+        def tr(x):
+            return mx.swapaxes(x, -1, -2)
+
         CA, DB = cc @ tr(ac), dyc @ tr(bc)  # (I, nc, C, C)
         W, dW = CA * (M * s_M), DB * (M * s_M)
         b_G = bc @ tr(leaving)  # (I, nc, C, K)

@@ -121,7 +121,7 @@ class ChunkedRenderer(KernelRenderer):
             tensors = [spec.states[s.tensor] for s in block.slots]  # a block may span tensors
             lines = [f"const float old_{i} = {regs[i]};" for i in range(block.size)]
             for p in self.products:
-                if p.block == b and not (p.hits and not counts_hits):
+                if p.block == b and (counts_hits or not p.hits):
                     name = "hits" if p.hits else f"p_{p.row}{p.col}"
                     buffer = self.hits_buffer(b) if p.hits else self.product_buffer(b)
                     lines.append(f"const float {name} = {buffer}[{self._product_offset(p)}];")
