@@ -621,7 +621,8 @@ class CallPlan:
 _NO_SECOND_ORDER = (
     "second-order derivatives (mx.grad of a gradient, mx.jvp of a gradient) are not supported "
     "by the kernel backends (backend={backend!r}): the backward kernel has no derivative of its "
-    "own. Use backend='mlx' for second-order derivatives")
+    "own. Use backend='mlx' for second-order derivatives (with schedule='matrix', "
+    "MLX_RECGEN_MATRIX_KERNELS=0 keeps its chunk products in MLX ops, which have them)")
 _NO_VMAP = (
     "mx.vmap is not supported by the kernel backends (backend={backend!r}): custom kernels have "
     "no batching rule. Fold the mapped axis into a batch axis of the spec, or use backend='mlx'")
@@ -664,11 +665,18 @@ def _with_zeros(spec, inputs, grads) -> list:
             for t, x in zip(spec.inputs.values(), inputs)]
 
 
+def first_order_only(backward, backend: str):
+    """``backward``, a VJP that runs kernels, as a custom function whose own derivatives raise:
+    a kernel is opaque to MLX, so a second derivative through it would otherwise be silently 0
+    (or wrong, or an internal error on a GPU)."""
+    fn = mx.custom_function(backward)
+    fn.vjp(_refuse(_NO_SECOND_ORDER.format(backend=backend)))
+    fn.jvp(_refuse(_NO_SECOND_ORDER.format(backend=backend)))
+    return fn
+
+
 def _first_order_only(spec, backend, n_in, n_out, n_state, sizes, seg, schedule):
-    """A kernel backend's backward as a custom function whose own derivatives raise: a kernel is
-    opaque to MLX, so a second derivative through it would otherwise be silently 0 (or an
-    internal error on a GPU)."""
-    @mx.custom_function
+    """A kernel backend's backward as a custom function whose own derivatives raise."""
     def backward(*arrays):
         arrays = _opaque(arrays, backend.name)
         inputs, states = list(arrays[:n_in]), list(arrays[n_in:n_in + n_state])
@@ -678,9 +686,7 @@ def _first_order_only(spec, backend, n_in, n_out, n_state, sizes, seg, schedule)
                                          **schedule)
         return (*_with_zeros(spec, inputs, grads), *d_init)
 
-    backward.vjp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
-    backward.jvp(_refuse(_NO_SECOND_ORDER.format(backend=backend.name)))
-    return backward
+    return first_order_only(backward, backend.name)
 
 def _assigned(program) -> set:
     return {b.target for s in program.statements for b in (s.body if isinstance(s, Loop) else [s])

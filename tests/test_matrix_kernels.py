@@ -233,21 +233,34 @@ def test_the_switch(monkeypatch, kernel_calls):
     assert mk.enabled("metal") and mk.enabled("metal-sim") and not mk.enabled("cuda")
 
 
-def test_forward_mode_and_second_order_through_the_kernels(kernel_calls):
-    """``mx.jvp`` (the tangent recurrence) and a gradient of a gradient through the kernels'
-    core agree with the sequential schedule on backend='mlx'."""
+def test_forward_mode_and_second_order_through_the_kernels(kernel_calls, monkeypatch):
+    """``mx.jvp`` (the tangent recurrence) through the kernels' core agrees with the sequential
+    schedule on backend='mlx'. A gradient of a gradient raises there, over one chunk or several
+    (the kernels in the VJP have no derivatives: it was silently wrong over several chunks),
+    and with the kernels off the MLX-op form gives it."""
     mx.random.seed(8)
     gla = rg.load_spec("gla")
-    q, k, v = (mx.random.normal((1, 9, 2, 3)) for _ in range(3))
-    g = mx.random.uniform(0.5, 1.0, (1, 9, 2))
-    f = lambda sch, be: (lambda g: gla(q, k, v, g, backend=be, schedule=sch, seg=4))  # noqa: E731
-    _, jk = mx.jvp(f("matrix", "metal-sim"), [g], [mx.ones_like(g)])
-    _, js = mx.jvp(f("sequential", "mlx"), [g], [mx.ones_like(g)])
+    q, k, v = (mx.random.normal((1, 40, 2, 3)) for _ in range(3))
+    g = mx.random.uniform(0.5, 1.0, (1, 40, 2))
+
+    def y_of(g, schedule, backend):
+        L = g.shape[1]
+        return gla(q[:, :L], k[:, :L], v[:, :L], g, backend=backend, schedule=schedule, seg=16)
+
+    _, jk = mx.jvp(lambda g: y_of(g, "matrix", "metal-sim"), [g], [mx.ones_like(g)])
+    _, js = mx.jvp(lambda g: y_of(g, "sequential", "mlx"), [g], [mx.ones_like(g)])
     assert rel_err(jk[0], js[0]) < TOL
-    h = lambda sch, be: mx.grad(lambda g: mx.sum(mx.grad(  # noqa: E731
-        lambda g: mx.sum(f(sch, be)(g) ** 2))(g) ** 2))(g)
-    assert rel_err(h("matrix", "metal-sim"), h("sequential", "mlx")) < 1e-4
+
+    def second(g, schedule, backend):
+        first = mx.grad(lambda g: mx.sum(y_of(g, schedule, backend) ** 2))
+        return mx.grad(lambda g: mx.sum(first(g) ** 2))(g)
+
+    for steps in (9, 40):
+        with pytest.raises(NotImplementedError, match="MLX_RECGEN_MATRIX_KERNELS=0"):
+            mx.eval(second(g[:, :steps], "matrix", "metal-sim"))
     assert kernel_calls
+    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "0")
+    assert rel_err(second(g, "matrix", "metal-sim"), second(g, "sequential", "mlx")) < 1e-4
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -8,14 +8,15 @@ readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-st
 entering every chunk. Everything else — the factors from the inputs, the per-step outputs from
 the readouts — stays MLX ops, so MLX differentiates it; the core's VJP is
 
-* the states kernel walked newest first: the gradient leaving each chunk (``G``) and ``dS0``;
-* per chunk, in MLX ops (batched matmuls): with ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``),
-  ``dW = M ∘ (dy @ bᵀ)``, ``W = M ∘ (c @ aᵀ)``:
+* the states and chain kernels walked newest first: the gradient leaving each chunk (``G``)
+  and ``dS0``;
+* per chunk, in MLX ops (batched matmuls) around the weights kernel: with the causal weights
+  ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``), ``W = M ∘ (c @ aᵀ)``, ``dW = M ∘ (dy @ bᵀ)``:
   ``dc = exp(R) ⊙ (dy @ Sᵀ) + dW @ a``, ``da = dWᵀ @ c + exp(Λ_C - Λ) ⊙ (b @ Gᵀ)``,
-  ``db = Wᵀ @ dy + (a ⊙ exp(Λ_C - Λ)) @ G``; the cotangents of ``M``, ``exp(R)``,
-  ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` go back onto ``log d`` through MLX's VJP of their
-  exponents, each the sum of its own range as in the kernels (``matrix_chunks.causal_weights``;
-  a difference of two running sums loses the digits of their magnitude).
+  ``db = Wᵀ @ dy + (a ⊙ exp(Λ_C - Λ)) @ G``. The weights kernel forms ``W`` and ``dW`` and
+  takes the cotangent of ``M`` onto ``log d``, each step's a sum over the pairs whose range
+  holds it (a difference of two running sums would lose the digits of their magnitude); MLX's
+  VJP takes those of ``exp(R)``, ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` back through their sums.
 
 Kernels are rendered by ``render/matrix.py`` and built once per (shape, flags); the chunk the
 kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most 64.
@@ -27,12 +28,13 @@ import os
 
 import mlx.core as mx
 
+from ..function import first_order_only
 from ..memo import LRU
 from ..render.dialects import DIALECTS
 from ..render.matrix import STATE_TILE, THREADS, MatrixKernelShape, MatrixRenderer, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
-from .matrix_chunks import MatrixChunks, causal_weights, parity
+from .matrix_chunks import MatrixChunks, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
 # verifies is what a Mac runs); not on CUDA, where on an H100 they are no faster than MLX's own
@@ -40,7 +42,9 @@ from .matrix_chunks import MatrixChunks, causal_weights, parity
 # benchmarks/results/bench-matrix-kernels-H100-2026-11-24.md). The environment variable
 # MLX_RECGEN_MATRIX_KERNELS=1 (or 0) turns them on (off) on every kernel backend.
 DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": False}
-KERNELS = ("states", "outputs", "adjoint")  # the adjoint: the states kernel walked newest first
+# the adjoint's: the states of the adjoint from each chunk's cotangents, chained newest first
+# and the causal weights of the chunk gradients
+KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 
 
@@ -85,9 +89,15 @@ class MatrixKernels:
         if kind == "outputs":
             body, outs = r.outputs(), ["out"]
             ins = ["c", "a", "b", "log_d", *signs, "states", "dims"]
+        elif kind == "weights":
+            body, outs = r.weights(), ["weights", "d_weights", "d_log_d"]
+            ins = ["scores", "d_scores", "log_d", *signs, "dims"]
+        elif kind in ("chain", "adjoint_chain"):
+            body = r.chain(reverse=kind == "adjoint_chain")
+            ins, outs = ["local", "decay", "init", "dims"], ["states", "last"]
         else:
             body = r.states(reverse=kind == "adjoint")
-            ins, outs = ["x", "y", "log_d", *signs, "init", "dims"], ["states", "last"]
+            ins, outs = ["x", "y", "log_d", *signs, "dims"], ["local", "decay"]
         header = r.header(kind)
         return kernel_name("matrix", kind, header, body, ins, outs), ins, outs, body, header
 
@@ -105,14 +115,20 @@ class MatrixKernels:
     def states(self, shape, x, y, log_d, sign, init, reverse=False):
         """The state entering every chunk ``(I, nc, K, V)`` and the last one (walked newest
         first: the gradient leaving every chunk, and the initial state's). ``sign``: the
-        decay's ``±1`` per step, for a shape that is ``signed`` (else None)."""
+        decay's ``±1`` per step, for a shape that is ``signed`` (else None). Two launches:
+        every chunk's state from zero at once, then the chain through the chunks."""
         I, T, K = x.shape
         V = y.shape[-1]
         nc = -(-T // shape.C)
-        groups = I * -(-K // STATE_TILE) * -(-V // STATE_TILE)
-        return self._kernel(shape, "adjoint" if reverse else "states")(
-            inputs=[x, y, log_d, *_signs(sign), init, mx.array([T], dtype=mx.int32)],
-            grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        tiles = -(-K // STATE_TILE) * -(-V // STATE_TILE)
+        local, decay = self._kernel(shape, "adjoint" if reverse else "states")(
+            inputs=[x, y, log_d, *_signs(sign), mx.array([T], dtype=mx.int32)],
+            grid=(I * nc * tiles * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(I, nc, K, V), (I, nc)], output_dtypes=[mx.float32, mx.float32])
+        elements = -(-(I * K * V) // THREADS) * THREADS
+        return self._kernel(shape, "adjoint_chain" if reverse else "chain")(
+            inputs=[local, decay, init, mx.array([T, I], dtype=mx.int32)],
+            grid=(elements, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32, mx.float32])
 
     def outputs(self, shape, c, a, b, log_d, sign, starts):
@@ -124,6 +140,18 @@ class MatrixKernels:
             inputs=[c, a, b, log_d, *_signs(sign), starts, mx.array([T], dtype=mx.int32)],
             grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, T, V)], output_dtypes=[mx.float32])[0]
+
+    def weights(self, shape, scores, d_scores, log_d, sign):
+        """``(W, dW, dlog_d)`` of the chunks' ``(I, nc, C, C)`` scores and their cotangents:
+        the causal decay weights applied to both and the cotangent of ``log d`` through them,
+        ``(I, T)``."""
+        I, nc = scores.shape[:2]
+        T = log_d.shape[-1]
+        return self._kernel(shape, "weights")(
+            inputs=[scores, d_scores, log_d, *_signs(sign), mx.array([T], dtype=mx.int32)],
+            grid=(I * nc * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[scores.shape, scores.shape, (I, T)],
+            output_dtypes=[mx.float32, mx.float32, mx.float32])
 
     # -- the custom function ---------------------------------------------------------------------
     def core(self, shape):
@@ -138,63 +166,60 @@ class MatrixKernels:
             starts, last = self.states(shape, a, b, log_d, sign, init)
             return self.outputs(shape, c, a, b, log_d, sign, starts), last, starts
 
-        @core.vjp
-        def core_vjp(primals, cotangents, outputs):
-            c, a, b, log_d, sign, init = primals
-            dy, d_last = cotangents[0], cotangents[1]
-            _, last, starts = outputs
+        def backward(c, a, b, log_d, sign, dy, d_last, starts):
             signs = sign if shape.signed else None
             leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last, reverse=True)
-            grads = self._chunk_gradients(shape, c, a, b, log_d, signs, dy, starts, last,
-                                          leaving)
+            grads = self._chunk_gradients(shape, c, a, b, log_d, signs, dy, starts, leaving)
             return (*grads, mx.zeros_like(sign), d_init)
+
+        # the kernels in the VJP have no derivatives: a second derivative raises
+        backward = first_order_only(backward, self.backend)
+
+        @core.vjp
+        def core_vjp(primals, cotangents, outputs):
+            c, a, b, log_d, sign, _ = primals
+            return backward(c, a, b, log_d, sign, cotangents[0], cotangents[1], outputs[2])
 
         return core
 
-    @staticmethod
-    def _chunk_gradients(shape, c, a, b, log_d, sign, dy, starts, last, leaving):
+    def _chunk_gradients(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
-        (module docstring), as batched products over chunks."""
-        C = shape.C
-        chunks = MatrixChunks(c.shape[1], C, 1)
+        (module docstring): batched products over chunks, the causal weights and their
+        cotangent in the weights kernel."""
+        chunks = MatrixChunks(c.shape[1], shape.C, 1)
         cc, ac, bc, dyc = (chunks.cut(x) for x in (c, a, b, dy))
         lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
 
-        def decays(lam):
-            """The chunk's exponentials, each exponent the sum of its own range (as the
-            kernels', ``matrix_span.j2``): ``M``, ``exp(R)``, ``exp(Λ_C - Λ)``, ``exp(Λ_C)``."""
-            M = causal_weights(lam)[..., 0]  # exp(Σ_{j<s<t}), t > j
-            if shape.inclusive:
-                M = M * mx.exp(lam)
+        def exponentials(lam):
+            """``exp(R)``, ``exp(Λ_C - Λ)`` and ``exp(Λ_C)``, each exponent a sum from the
+            chunk's start or to its end."""
             row = mx.cumsum(lam, axis=-2, inclusive=shape.inclusive)
             end = mx.cumsum(lam, axis=-2, reverse=True, inclusive=False)
-            return M, mx.exp(row), mx.exp(end), mx.exp(mx.sum(lam, axis=-2, keepdims=True))
+            return mx.exp(row), mx.exp(end), mx.exp(mx.sum(lam, axis=-2, keepdims=True))
 
-        M, e_row, e_end, _ = decays(lam)
-        s_M = s_row = s_end = s_whole = 1.0
+        s_row = s_end = s_whole = 1.0
         if sign is not None:  # the sign of d(j+1..t) is par_t par_j (running products)
             par = parity(chunks.cut(sign[..., None]), axis=-2)
             s_row = par if shape.inclusive else par * chunks.cut(sign[..., None])
             s_whole = par[..., -1:, :]
-            s_M, s_end = s_row * mx.swapaxes(par, -1, -2), s_whole * par
+            s_end = s_whole * par
 
         def tr(x):
             return mx.swapaxes(x, -1, -2)
 
-        CA, DB = cc @ tr(ac), dyc @ tr(bc)  # (I, nc, C, C)
-        W, dW = CA * (M * s_M), DB * (M * s_M)
+        W, dW, d_log_d = self.weights(shape, cc @ tr(ac), dyc @ tr(bc), log_d, sign)
         b_G = bc @ tr(leaving)  # (I, nc, C, K)
         dy_S = dyc @ tr(starts)  # (I, nc, C, K)
+        # the exponentials' cotangents, taken back onto log d by MLX through their sums
+        cotangents = [s_row * mx.sum(cc * dy_S, axis=-1, keepdims=True),
+                      s_end * mx.sum(ac * b_G, axis=-1, keepdims=True),
+                      s_whole * mx.sum(leaving * starts, axis=(-2, -1))[..., None, None]]
+        (e_row, e_end, _), (d_lam,) = mx.vjp(exponentials, [lam], cotangents)
         dc = e_row * s_row * dy_S + dW @ ac
         da = tr(dW) @ cc + e_end * s_end * b_G
         db = tr(W) @ dyc + (ac * e_end * s_end) @ leaving
-        # the exponentials' cotangents, taken back onto log d by MLX through the range sums
-        cotangents = [DB * CA * s_M,
-                      s_row * mx.sum(cc * dy_S, axis=-1, keepdims=True),
-                      s_end * mx.sum(ac * b_G, axis=-1, keepdims=True),
-                      s_whole * mx.sum(leaving * starts, axis=(-2, -1))[..., None, None]]
-        d_lam = mx.vjp(decays, [lam], cotangents)[1][0]
-        return chunks.join(dc), chunks.join(da), chunks.join(db), chunks.join(d_lam)[..., 0]
+        return (chunks.join(dc), chunks.join(da), chunks.join(db),
+                chunks.join(d_lam)[..., 0] + d_log_d)
 
 
 def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False,
@@ -212,7 +237,8 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
-    ranks = {"dims": 1, "log_d": 2, "sign": 2, "init": 3, "states": 4}
+    ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
+             "scores": 4, "d_scores": 4}
     infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, ranks.get(n, 3)) for n in ins]
     build = cuda_source if backend == "cuda" else metal_source
     return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]

@@ -5,15 +5,23 @@ through ``matrix.analyse`` and are evaluated in MLX ops; what the kernels comput
 form itself, the same for every spec, so they are rendered from the chunk length, the state's
 sizes and two flags, not from a spec:
 
-states   one threadgroup per (instance, K tile, V tile; tiles of ``STATE_TILE``) walks the
-         chunks in order, its tile of the state in group memory, and stores the state entering
-         each chunk:
-         ``S <- exp(Λ_C) S + Xᵀ Y`` with ``X[j] = a[j] exp(Λ_C - Λ_j)``, ``Y = b``. Walked
-         newest first with ``X[j] = c[j] exp(R_j)``, ``Y = dy``, the same kernel carries the
-         adjoint of the states and stores the gradient leaving each chunk.
+states   one threadgroup per (instance, chunk, K tile, V tile; tiles of ``STATE_TILE``) takes
+         its chunk's state from zero, ``U = Xᵀ Y`` with ``X[j] = a[j] exp(Λ_C - Λ_j)``,
+         ``Y = b``, and the chunk's decay ``exp(Λ_C)``; with ``X[j] = c[j] exp(R_j)``,
+         ``Y = dy`` (``adjoint``) the same for the adjoint of the states.
+chain    one thread per element of the state walks the chunks in order (``adjoint_chain``:
+         newest first), ``S <- exp(Λ_C) S + U``, and stores the state entering each chunk (the
+         gradient leaving each). Only this pass is sequential, and it moves one float in and
+         one out per element and chunk, so its threads never wait on a product.
 outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_start) +
          (M ∘ (c @ aᵀ)) @ b`` with the causal decay weights ``M[t, j] = exp(R_t - Λ_j)``,
          ``j < t``.
+
+weights  one threadgroup per (instance, chunk), for the backward: from the chunk's scores
+         ``CA = c @ aᵀ`` and their cotangent ``DB = dy @ bᵀ`` (MLX's matmuls), the weighted
+         ``W = CA ∘ M``, ``dW = DB ∘ M`` and the cotangent of ``log d`` through ``M``,
+         ``Σ CA DB M`` over the pairs ``(t, j)`` whose range holds the step, as prefix sums
+         along each row.
 
 ``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
 ``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
@@ -33,9 +41,8 @@ from .kernels import environment
 
 THREADS = 128  # four simdgroups / warps per threadgroup
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
-# The states kernel's K and V tile (its threadgroups walk every chunk one after another): on an
-# H100, tiles of 16 (four times the threadgroups) took 1.86 ms against 1.08 ms for 32 at GLA
-# B8 H16 L4096 K=V=64, every threadgroup repeating a chunk's loads and running sums
+# The states kernel's K and V tile: each threadgroup repeats its chunk's loads of log d and
+# running sums, so a tile of 16 would repeat them four times as often
 STATE_TILE = 32
 
 
@@ -88,9 +95,9 @@ class MatrixRenderer:
 
     def _context(self, kind: str) -> dict:
         s, (rows, cols) = self.shape, self.d.matrix_pads
-        states = kind in ("states", "adjoint")
+        states = kind in ("states", "adjoint", "chain", "adjoint_chain")
         KT, VT = (STATE_TILE, STATE_TILE) if states else (s.KT, s.VT)
-        return dict(d=self.d, kind=kind, C=s.C, K=s.K, V=s.V, KT=KT, VT=VT, NT=THREADS,
+        return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C, K=s.K, V=s.V, KT=KT, VT=VT, NT=THREADS,
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
                     LDC=KT + rows, LDW=s.C + rows, LDS=VT + cols, LDB=VT + cols,
@@ -112,6 +119,13 @@ class MatrixRenderer:
                        x_scale=("whole_sign * par[j] * " if s.signed else "")
                        + f"{exp}(tail[j])")
         return environment().get_template("matrix_states.j2").render(**ctx)
+
+    def chain(self, reverse: bool) -> str:
+        ctx = self._context("adjoint_chain" if reverse else "chain")
+        return environment().get_template("matrix_chain.j2").render(reverse=reverse, **ctx)
+
+    def weights(self) -> str:
+        return environment().get_template("matrix_weights.j2").render(**self._context("weights"))
 
     def outputs(self) -> str:
         return environment().get_template("matrix_outputs.j2").render(**self._context("outputs"))
