@@ -37,11 +37,11 @@ from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
-# verifies is what a Mac runs); not on CUDA, where on an H100 they are no faster than MLX's own
-# cuBLAS matmuls yet (GLA B8 H16 L4096 K=V=64 fp32 forward+backward 11.5 ms either way;
+# verifies is what a Mac runs) and on CUDA, where on an H100 they beat the same form on MLX's
+# cuBLAS matmuls (GLA B8 H16 L4096 K=V=64 fp32 forward+backward 9.5 against 11.2-12.0 ms;
 # benchmarks/results/bench-matrix-kernels-H100-2026-11-24.md). The environment variable
 # MLX_RECGEN_MATRIX_KERNELS=1 (or 0) turns them on (off) on every kernel backend.
-DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": False}
+DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 # the adjoint's: the states of the adjoint from each chunk's cotangents, chained newest first
 # and the causal weights of the chunk gradients
 KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights")

@@ -87,7 +87,6 @@ import mlx.nn as nn
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, exp, where
-from mlx_recgen.backends.matrix_kernels import enabled as matrix_kernels_enabled
 from mlx_recgen.function import (BACKENDS, FLOAT_DTYPES, PLAN_CACHE_SIZE, default_backend,
                                  require_backend)
 from mlx_recgen.memo import LRU
@@ -273,19 +272,23 @@ def _is_array(x, kind=mx.floating, ndim=None) -> bool:
             and (ndim is None or x.ndim == ndim))
 
 
+# The backends where the SSD's matrix form was measured against mlx-lm's own ``ssm_attn`` (the
+# products on MLX's matmuls on the CPU, on the matrix kernels on CUDA; docs/mlx-lm.md)
+SSD_MATRIX_BACKENDS = ("mlx", "cuda")
+
+
 def _like_ssm_attn(options) -> dict:
-    """The options of a routed SSD call: under the patch's ``auto``, where the matrix form's
-    products are MLX matmuls (the ``mlx`` and ``cuda`` backends), the matrix schedule, the
-    chunkwise matmul form that mlx-lm's own ``ssm_attn`` computes (TF32 for fp32 inputs on
-    NVIDIA GPUs, as its matmuls; a one-step call runs what ``auto`` picks). A Mamba-2 training
-    step takes 0.72x mlx-lm's own time this way on an H100 against 1.82x on the sequential and
-    chunked kernels, and 1.04x on the CPU against 2.35x (docs/mlx-lm.md). Where the products
-    would run in the matrix kernels (Metal, the simulator), ``auto`` stays ``auto``: their speed
-    is unmeasured on an Apple GPU."""
+    """The options of a routed SSD call: under the patch's ``auto``, on ``SSD_MATRIX_BACKENDS``,
+    the matrix schedule, the chunkwise matmul form that mlx-lm's own ``ssm_attn`` computes (TF32
+    for fp32 inputs on NVIDIA GPUs, as its matmuls; a one-step call runs what ``auto`` picks).
+    A Mamba-2 training step takes 0.72x mlx-lm's own time this way on an H100 against 1.82x on
+    the sequential and chunked kernels, and 1.04x on the CPU against 2.35x (docs/mlx-lm.md). On
+    Metal and the simulator ``auto`` stays ``auto``: the matrix kernels' speed is unmeasured on
+    an Apple GPU."""
     if options["schedule"] != "auto":
         return options
     backend = default_backend() if options["backend"] == "auto" else options["backend"]
-    if backend == "mlx" or not matrix_kernels_enabled(backend):
+    if backend in SSD_MATRIX_BACKENDS:
         return {**options, "schedule": "matrix"}
     return options
 
