@@ -110,14 +110,14 @@ class MatrixRenderer:
 
     def states(self, reverse: bool) -> str:
         ctx = self._context("adjoint" if reverse else "states")
-        s, exp = self.shape, self.d.math["exp"]
+        s = self.shape
         if reverse:
             ctx.update(reverse=True, x_doc="c[j] exp(R_j)", y_doc="dy[j]",
-                       x_scale=("row_par[j] * " if s.signed else "") + f"{exp}(row[j])")
+                       x_scale=("row_par[j] * " if s.signed else "") + "row_exp[j]")
         else:
             ctx.update(reverse=False, x_doc="a[j] exp(Λ_C - Λ_j)", y_doc="b[j]",
                        x_scale=("whole_sign * par[j] * " if s.signed else "")
-                       + f"{exp}(tail[j])")
+                       + "tail_exp[j]")
         return environment().get_template("matrix_states.j2").render(**ctx)
 
     def chain(self, reverse: bool) -> str:
