@@ -50,6 +50,15 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=["outputs kernel", "matmuls"])
+def readouts(request, monkeypatch):
+    """The readouts in the outputs kernel, or as MLX's matmuls around the weights kernel
+    (``OUTPUTS_BY_MATMULS``), on every kernel backend."""
+    for backend in ("metal", "metal-sim", "cuda"):
+        monkeypatch.setitem(mk.OUTPUTS_BY_MATMULS, backend, request.param == "matmuls")
+    return request.param
+
+
 def _run(name, backend, seg):
     rec = rg.load_spec(name)
 
@@ -64,7 +73,7 @@ def _run(name, backend, seg):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("seg", [4, 16])  # L = 11: kernel chunks of 16, one partial chunk
 @pytest.mark.parametrize("name", SCALAR_DECAY_ZOO)
-def test_zoo_matches_the_paper(name, seg, backend, kernel_calls):
+def test_zoo_matches_the_paper(name, seg, backend, kernel_calls, readouts):
     mx.random.seed(sum(map(ord, name)) + seg)
     inputs, states = _draw(name)
     _assert_matches(_run(name, backend, seg), lambda i, s: _reference(name, i, s), inputs,
@@ -74,7 +83,7 @@ def test_zoo_matches_the_paper(name, seg, backend, kernel_calls):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("L, seg", [(150, 64), (40, 16), (70, 32)])
-def test_gla_over_several_chunks(L, seg, backend, kernel_calls):
+def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts):
     """GLA's scalar gate (readout after the update) over chunks of 64, 16 and 32 steps, with a
     state of sizes that are no multiple of the tiles."""
     mx.random.seed(L)
@@ -95,7 +104,7 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_strong_decays_keep_their_digits(backend, kernel_calls):
+def test_strong_decays_keep_their_digits(backend, kernel_calls, readouts):
     """Decays of e^-3 to e^-10 a step run the log decay to -600 over a chunk of 64, where a
     difference of two running sums keeps four digits of a weight: the kernels sum each
     exponent over its own range, as the MLX ops do, and agree with the paper's loop as closely
@@ -128,7 +137,7 @@ def read_before(S, q, k, v, g, i):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_a_readout_before_the_update(backend, kernel_calls):
+def test_a_readout_before_the_update(backend, kernel_calls, readouts):
     mx.random.seed(3)
     b, L, H, K, V = 2, 37, 2, 8, 8
     q, k, v = (mx.random.normal((b, L, H, n)) for n in (K, K, V))

@@ -43,9 +43,12 @@ from .matrix_chunks import MatrixChunks, parity
 # MLX_RECGEN_MATRIX_KERNELS=1 (or 0) turns them on (off) on every kernel backend.
 DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 # the adjoint's: the states of the adjoint from each chunk's cotangents, chained newest first
-# and the causal weights of the chunk gradients
-KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights")
+# and the causal weights of the readouts and of the chunk gradients
+KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
+# Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
+# kernel, per backend (to be measured)
+OUTPUTS_BY_MATMULS = {"cuda": True}
 
 
 def kernel_chunk(seg: int) -> int:
@@ -90,7 +93,10 @@ class MatrixKernels:
             body, outs = r.outputs(), ["out"]
             ins = ["c", "a", "b", "log_d", *signs, "states", "dims"]
         elif kind == "weights":
-            body, outs = r.weights(), ["weights", "d_weights", "d_log_d"]
+            body, outs = r.weights(adjoint=False), ["weights"]
+            ins = ["scores", "log_d", *signs, "dims"]
+        elif kind == "weights_adjoint":
+            body, outs = r.weights(adjoint=True), ["weights", "d_weights", "d_log_d"]
             ins = ["scores", "d_scores", "log_d", *signs, "dims"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
@@ -132,6 +138,10 @@ class MatrixKernels:
             output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32, mx.float32])
 
     def outputs(self, shape, c, a, b, log_d, sign, starts):
+        """The readouts ``(I, T, V)`` of the chunks, from the state entering each: in the
+        outputs kernel, or (``OUTPUTS_BY_MATMULS``) as MLX's matmuls around the weights kernel."""
+        if OUTPUTS_BY_MATMULS.get(self.backend, False):
+            return self._outputs_by_matmuls(shape, c, a, b, log_d, sign, starts)
         I, T, _ = c.shape
         V = b.shape[-1]
         nc = -(-T // shape.C)
@@ -141,17 +151,32 @@ class MatrixKernels:
             grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, T, V)], output_dtypes=[mx.float32])[0]
 
-    def weights(self, shape, scores, d_scores, log_d, sign):
-        """``(W, dW, dlog_d)`` of the chunks' ``(I, nc, C, C)`` scores and their cotangents:
-        the causal decay weights applied to both and the cotangent of ``log d`` through them,
-        ``(I, T)``."""
+    def _outputs_by_matmuls(self, shape, c, a, b, log_d, sign, starts):
+        """``(W @ b + exp(R) ⊙ (c @ S_start))`` by chunk: the products are MLX's (cuBLAS on
+        CUDA), the causal weights ``W = M ∘ (c @ aᵀ)`` the weights kernel's."""
+        chunks = MatrixChunks(c.shape[1], shape.C, 1)
+        cc, ac, bc = (chunks.cut(x) for x in (c, a, b))
+        lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
+        e_row = mx.exp(mx.cumsum(lam, axis=-2, inclusive=shape.inclusive))
+        if sign is not None:
+            e_row = e_row * _chunk_signs(shape, chunks, sign)[0]
+        W = self.weights(shape, cc @ _tr(ac), log_d, sign)
+        return chunks.join(W @ bc + e_row * (cc @ starts))
+
+    def weights(self, shape, scores, log_d, sign, d_scores=None):
+        """The causal decay weights applied to the chunks' ``(I, nc, C, C)`` scores, ``W``; with
+        their cotangents ``d_scores``, ``(W, dW, dlog_d)``: also the weights applied to those and
+        the cotangent of ``log d`` through the weights, ``(I, T)``."""
         I, nc = scores.shape[:2]
         T = log_d.shape[-1]
-        return self._kernel(shape, "weights")(
-            inputs=[scores, d_scores, log_d, *_signs(sign), mx.array([T], dtype=mx.int32)],
+        adjoint = d_scores is not None
+        outs = self._kernel(shape, "weights_adjoint" if adjoint else "weights")(
+            inputs=[scores, *([d_scores] if adjoint else []), log_d, *_signs(sign),
+                    mx.array([T], dtype=mx.int32)],
             grid=(I * nc * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[scores.shape, scores.shape, (I, T)],
-            output_dtypes=[mx.float32, mx.float32, mx.float32])
+            output_shapes=[scores.shape, scores.shape, (I, T)][:3 if adjoint else 1],
+            output_dtypes=[mx.float32] * (3 if adjoint else 1))
+        return outs if adjoint else outs[0]
 
     # -- the custom function ---------------------------------------------------------------------
     def core(self, shape):
@@ -197,29 +222,34 @@ class MatrixKernels:
             end = mx.cumsum(lam, axis=-2, reverse=True, inclusive=False)
             return mx.exp(row), mx.exp(end), mx.exp(mx.sum(lam, axis=-2, keepdims=True))
 
-        s_row = s_end = s_whole = 1.0
-        if sign is not None:  # the sign of d(j+1..t) is par_t par_j (running products)
-            par = parity(chunks.cut(sign[..., None]), axis=-2)
-            s_row = par if shape.inclusive else par * chunks.cut(sign[..., None])
-            s_whole = par[..., -1:, :]
-            s_end = s_whole * par
-
-        def tr(x):
-            return mx.swapaxes(x, -1, -2)
-
-        W, dW, d_log_d = self.weights(shape, cc @ tr(ac), dyc @ tr(bc), log_d, sign)
-        b_G = bc @ tr(leaving)  # (I, nc, C, K)
-        dy_S = dyc @ tr(starts)  # (I, nc, C, K)
+        s_row, s_end, s_whole = (1.0, 1.0, 1.0) if sign is None else \
+            _chunk_signs(shape, chunks, sign)
+        W, dW, d_log_d = self.weights(shape, cc @ _tr(ac), log_d, sign, d_scores=dyc @ _tr(bc))
+        b_G = bc @ _tr(leaving)  # (I, nc, C, K)
+        dy_S = dyc @ _tr(starts)  # (I, nc, C, K)
         # the exponentials' cotangents, taken back onto log d by MLX through their sums
         cotangents = [s_row * mx.sum(cc * dy_S, axis=-1, keepdims=True),
                       s_end * mx.sum(ac * b_G, axis=-1, keepdims=True),
                       s_whole * mx.sum(leaving * starts, axis=(-2, -1))[..., None, None]]
         (e_row, e_end, _), (d_lam,) = mx.vjp(exponentials, [lam], cotangents)
         dc = e_row * s_row * dy_S + dW @ ac
-        da = tr(dW) @ cc + e_end * s_end * b_G
-        db = tr(W) @ dyc + (ac * e_end * s_end) @ leaving
+        da = _tr(dW) @ cc + e_end * s_end * b_G
+        db = _tr(W) @ dyc + (ac * e_end * s_end) @ leaving
         return (chunks.join(dc), chunks.join(da), chunks.join(db),
                 chunks.join(d_lam)[..., 0] + d_log_d)
+
+
+def _tr(x):
+    return mx.swapaxes(x, -1, -2)
+
+
+def _chunk_signs(shape, chunks, sign):
+    """The signs of ``exp(R)``, ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` by chunk, from the decay's
+    ``±1`` per step: the sign of ``d(j+1..t)`` is ``par_t par_j`` (running products)."""
+    par = parity(chunks.cut(sign[..., None]), axis=-2)
+    s_row = par if shape.inclusive else par * chunks.cut(sign[..., None])
+    s_whole = par[..., -1:, :]
+    return s_row, s_whole * par, s_whole
 
 
 def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False,

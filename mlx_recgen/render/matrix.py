@@ -17,11 +17,11 @@ outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_
          (M ∘ (c @ aᵀ)) @ b`` with the causal decay weights ``M[t, j] = exp(R_t - Λ_j)``,
          ``j < t``.
 
-weights  one threadgroup per (instance, chunk), for the backward: from the chunk's scores
-         ``CA = c @ aᵀ`` and their cotangent ``DB = dy @ bᵀ`` (MLX's matmuls), the weighted
-         ``W = CA ∘ M``, ``dW = DB ∘ M`` and the cotangent of ``log d`` through ``M``,
-         ``Σ CA DB M`` over the pairs ``(t, j)`` whose range holds the step, as prefix sums
-         along each row.
+weights  one threadgroup per (instance, chunk): from the chunk's scores ``CA = c @ aᵀ`` (MLX's
+         matmuls) the weighted ``W = CA ∘ M``; with their cotangent ``DB = dy @ bᵀ``
+         (``weights_adjoint``) also ``dW = DB ∘ M`` and the cotangent of ``log d`` through
+         ``M``, ``Σ CA DB M`` over the pairs ``(t, j)`` whose range holds the step, as prefix
+         sums along each row.
 
 ``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
 ``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
@@ -124,8 +124,9 @@ class MatrixRenderer:
         ctx = self._context("adjoint_chain" if reverse else "chain")
         return environment().get_template("matrix_chain.j2").render(reverse=reverse, **ctx)
 
-    def weights(self) -> str:
-        return environment().get_template("matrix_weights.j2").render(**self._context("weights"))
+    def weights(self, adjoint: bool) -> str:
+        ctx = self._context("weights_adjoint" if adjoint else "weights")
+        return environment().get_template("matrix_weights.j2").render(adjoint=adjoint, **ctx)
 
     def outputs(self) -> str:
         return environment().get_template("matrix_outputs.j2").render(**self._context("outputs"))
