@@ -38,8 +38,8 @@ from .matrix_chunks import MatrixChunks, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
 # verifies is what a Mac runs) and on CUDA, where on an H100 they beat the same form on MLX's
-# cuBLAS matmuls (GLA B8 H16 L4096 K=V=64 fp32 forward+backward 9.5 against 11.2-12.0 ms;
-# benchmarks/results/bench-matrix-kernels-H100-2026-11-24.md). The environment variable
+# cuBLAS matmuls (GLA B8 H16 L4096 K=V=64 fp32 forward+backward 8.4-8.5 against 11.3-11.7 ms;
+# benchmarks/results/bench-matrix-kernels-rework-H100-2026-11-25.md). The environment variable
 # MLX_RECGEN_MATRIX_KERNELS=1 (or 0) turns them on (off) on every kernel backend.
 DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 # the adjoint's: the states of the adjoint from each chunk's cotangents, chained newest first
@@ -47,7 +47,8 @@ DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
-# kernel, per backend (to be measured)
+# kernel, per backend: on CUDA, where an H100 ran GLA's B8 H16 L4096 forward in 2.40 against
+# 2.97 ms (the same results file); Metal keeps the outputs kernel, unmeasured on an Apple GPU
 OUTPUTS_BY_MATMULS = {"cuda": True}
 
 

@@ -281,8 +281,9 @@ def _like_ssm_attn(options) -> dict:
     """The options of a routed SSD call: under the patch's ``auto``, on ``SSD_MATRIX_BACKENDS``,
     the matrix schedule, the chunkwise matmul form that mlx-lm's own ``ssm_attn`` computes (TF32
     for fp32 inputs on NVIDIA GPUs, as its matmuls; a one-step call runs what ``auto`` picks).
-    A Mamba-2 training step takes 0.72x mlx-lm's own time this way on an H100 against 1.82x on
-    the sequential and chunked kernels, and 1.04x on the CPU against 2.35x (docs/mlx-lm.md). On
+    A Mamba-2 training step takes 0.63-0.74x mlx-lm's own time this way on an H100 (the matrix
+    kernels; 0.70x on MLX's matmuls) against 1.82x on the sequential and chunked kernels, and
+    1.04x on the CPU against 2.35x (docs/mlx-lm.md). On
     Metal and the simulator ``auto`` stays ``auto``: the matrix kernels' speed is unmeasured on
     an Apple GPU."""
     if options["schedule"] != "auto":
