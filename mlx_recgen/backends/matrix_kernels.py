@@ -42,8 +42,9 @@ from .matrix_chunks import MatrixChunks, parity
 # benchmarks/results/bench-matrix-kernels-rework-H100-2026-11-25.md). The environment variable
 # MLX_RECGEN_MATRIX_KERNELS=1 (or 0) turns them on (off) on every kernel backend.
 DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
-# the adjoint's: the states of the adjoint from each chunk's cotangents, chained newest first
-# and the causal weights of the readouts and of the chunk gradients
+# The kernels by kind: each chunk's state from zero and the chain through the chunks; the
+# readouts; the same two for the adjoint of the states (chained newest first); the causal
+# weights of the readouts, and with their cotangents those of the chunk gradients
 KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
