@@ -82,10 +82,11 @@ def test_zoo_matches_the_paper(name, seg, backend, kernel_calls, readouts):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("L, seg", [(150, 64), (40, 16), (70, 32)])
+@pytest.mark.parametrize("L, seg", [(150, 64), (40, 16), (70, 32), (100, 48)])
 def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts):
-    """GLA's scalar gate (readout after the update) over chunks of 64, 16 and 32 steps, with a
-    state of sizes that are no multiple of the tiles."""
+    """GLA's scalar gate (readout after the update) over chunks of 64, 16, 32 and 48 steps (a
+    chunk that is no multiple of a simdgroup's 32 lanes), with a state of sizes that are no
+    multiple of the tiles."""
     mx.random.seed(L)
     b, H, K, V = 2, 3, 20, 12
     q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))

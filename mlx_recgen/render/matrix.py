@@ -46,6 +46,11 @@ TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA 
 STATE_TILE = 32
 
 
+# the per-step exponentials each kernel reads: exp(Λ_C - Λ_j) scales the states kernel's a,
+# exp(R_t) the adjoint's c and the readouts' c @ S_start; both states kernels store exp(Λ_C)
+_EXPONENTIALS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"), "outputs": ("row",)}
+
+
 def _padded(n: int) -> int:
     return -(-n // 16) * 16
 
@@ -97,7 +102,8 @@ class MatrixRenderer:
         s, (rows, cols) = self.shape, self.d.matrix_pads
         states = kind in ("states", "adjoint", "chain", "adjoint_chain")
         KT, VT = (STATE_TILE, STATE_TILE) if states else (s.KT, s.VT)
-        return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C, K=s.K, V=s.V, KT=KT, VT=VT, NT=THREADS,
+        return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C,
+                    exponentials=_EXPONENTIALS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT, NT=THREADS,
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
                     LDC=KT + rows, LDW=s.C + rows, LDS=VT + cols, LDB=VT + cols,
