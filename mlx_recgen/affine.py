@@ -516,7 +516,6 @@ def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
 
 
 __all__ = ["AffineBlock", "AffineForm", "LocalAdjoint", "LowRankRead", "ProductEntry",
-           "SegmentSummary",
-           "analyse", "compose", "local_adjoint_program", "outputs_of_updated_state",
-           "product_entries", "scale",
-           "segment_summary", "step_maps_program", "summary_program", "zero_hit"]
+           "SegmentSummary", "analyse", "compose", "local_adjoint_program",
+           "outputs_of_updated_state", "product_entries", "scale", "segment_summary",
+           "step_maps_program", "summary_program", "zero_hit"]

@@ -688,6 +688,7 @@ def _first_order_only(spec, backend, n_in, n_out, n_state, sizes, seg, schedule)
 
     return first_order_only(backward, backend.name)
 
+
 def _assigned(program) -> set:
     return {b.target for s in program.statements for b in (s.body if isinstance(s, Loop) else [s])
             if hasattr(b, "target")}

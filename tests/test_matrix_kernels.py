@@ -53,10 +53,21 @@ def kernel_calls(monkeypatch):
 @pytest.fixture(params=["outputs kernel", "matmuls"])
 def readouts(request, monkeypatch):
     """The readouts in the outputs kernel, or as MLX's matmuls around the weights kernel
-    (``OUTPUTS_BY_MATMULS``), on every kernel backend."""
+    (``OUTPUTS_BY_MATMULS``), on every kernel backend; afterwards, that path is the one that
+    ran."""
+    by_matmuls = request.param == "matmuls"
     for backend in ("metal", "metal-sim", "cuda"):
-        monkeypatch.setitem(mk.OUTPUTS_BY_MATMULS, backend, request.param == "matmuls")
-    return request.param
+        monkeypatch.setitem(mk.OUTPUTS_BY_MATMULS, backend, by_matmuls)
+    ran = []
+    composed = mk.MatrixKernels._outputs_by_matmuls
+
+    def counted(self, *args):
+        ran.append(True)
+        return composed(self, *args)
+
+    monkeypatch.setattr(mk.MatrixKernels, "_outputs_by_matmuls", counted)
+    yield request.param
+    assert bool(ran) == by_matmuls, f"the readouts did not run as {request.param}"
 
 
 def _run(name, backend, seg):

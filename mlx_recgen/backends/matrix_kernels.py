@@ -158,8 +158,7 @@ class MatrixKernels:
         CUDA), the causal weights ``W = M ∘ (c @ aᵀ)`` the weights kernel's."""
         chunks = MatrixChunks(c.shape[1], shape.C, 1)
         cc, ac, bc = (chunks.cut(x) for x in (c, a, b))
-        lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
-        e_row = mx.exp(mx.cumsum(lam, axis=-2, inclusive=shape.inclusive))
+        e_row = _exponentials(chunks.cut(log_d[..., None]), shape.inclusive)[0]
         if sign is not None:
             e_row = e_row * _chunk_signs(shape, chunks, sign)[0]
         W = self.weights(shape, cc @ _tr(ac), log_d, sign)
@@ -216,14 +215,6 @@ class MatrixKernels:
         chunks = MatrixChunks(c.shape[1], shape.C, 1)
         cc, ac, bc, dyc = (chunks.cut(x) for x in (c, a, b, dy))
         lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
-
-        def exponentials(lam):
-            """``exp(R)``, ``exp(Λ_C - Λ)`` and ``exp(Λ_C)``, each exponent a sum from the
-            chunk's start or to its end."""
-            row = mx.cumsum(lam, axis=-2, inclusive=shape.inclusive)
-            end = mx.cumsum(lam, axis=-2, reverse=True, inclusive=False)
-            return mx.exp(row), mx.exp(end), mx.exp(mx.sum(lam, axis=-2, keepdims=True))
-
         s_row, s_end, s_whole = (1.0, 1.0, 1.0) if sign is None else \
             _chunk_signs(shape, chunks, sign)
         W, dW, d_log_d = self.weights(shape, cc @ _tr(ac), log_d, sign, d_scores=dyc @ _tr(bc))
@@ -233,7 +224,8 @@ class MatrixKernels:
         cotangents = [s_row * mx.sum(cc * dy_S, axis=-1, keepdims=True),
                       s_end * mx.sum(ac * b_G, axis=-1, keepdims=True),
                       s_whole * mx.sum(leaving * starts, axis=(-2, -1))[..., None, None]]
-        (e_row, e_end, _), (d_lam,) = mx.vjp(exponentials, [lam], cotangents)
+        (e_row, e_end, _), (d_lam,) = mx.vjp(
+            lambda lam: _exponentials(lam, shape.inclusive), [lam], cotangents)
         dc = e_row * s_row * dy_S + dW @ ac
         da = _tr(dW) @ cc + e_end * s_end * b_G
         db = _tr(W) @ dyc + (ac * e_end * s_end) @ leaving
@@ -243,6 +235,15 @@ class MatrixKernels:
 
 def _tr(x):
     return mx.swapaxes(x, -1, -2)
+
+
+def _exponentials(lam, inclusive):
+    """``exp(R)``, ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` by chunk from ``log |d|`` ``(I, nc, C, 1)``,
+    each exponent a sum from the chunk's start or to its end (``R`` includes the step's own
+    decay for an ``inclusive`` readout)."""
+    row = mx.cumsum(lam, axis=-2, inclusive=inclusive)
+    end = mx.cumsum(lam, axis=-2, reverse=True, inclusive=False)
+    return mx.exp(row), mx.exp(end), mx.exp(mx.sum(lam, axis=-2, keepdims=True))
 
 
 def _chunk_signs(shape, chunks, sign):

@@ -13,7 +13,7 @@ them as MLX ops: the SSD as a blockwise quadratic form, the other two as a Pytho
 ``patch()`` routes all three through recurrences compiled by mlx-recgen (fused forward and
 backward; ``backend=`` and ``schedule=`` as for any recurrence, except that under
 ``schedule="auto"`` the SSD runs the matrix form, as mlx-lm's own ``ssm_attn`` computes it,
-where its products are MLX matmuls (the ``mlx`` and ``cuda`` backends); the delta rule runs the
+on the backends where that was measured (``mlx`` and ``cuda``); the delta rule runs the
 matrix form under ``schedule="chunked"``, and RG-LRU, which has no matrix form, what ``auto``
 picks under ``schedule="matrix"``)::
 
@@ -283,9 +283,8 @@ def _like_ssm_attn(options) -> dict:
     for fp32 inputs on NVIDIA GPUs, as its matmuls; a one-step call runs what ``auto`` picks).
     A Mamba-2 training step takes 0.63-0.74x mlx-lm's own time this way on an H100 (the matrix
     kernels; 0.70x on MLX's matmuls) against 1.82x on the sequential and chunked kernels, and
-    1.04x on the CPU against 2.35x (docs/mlx-lm.md). On
-    Metal and the simulator ``auto`` stays ``auto``: the matrix kernels' speed is unmeasured on
-    an Apple GPU."""
+    1.04x on the CPU against 2.35x (docs/mlx-lm.md). On Metal and the simulator ``auto`` stays
+    ``auto``: the matrix kernels' speed is unmeasured on an Apple GPU."""
     if options["schedule"] != "auto":
         return options
     backend = default_backend() if options["backend"] == "auto" else options["backend"]
