@@ -15,7 +15,11 @@ the update (``Σ q[n] S_t[n]``, the usual way a spec is written) is rewritten as
 before it, ``c = q ⊙ d``, plus a state-free sum ``Σ_n q[n] a_r[n] · b_r``: every readout is then
 of ``S_{t-1}``, strictly causal. For a scalar ``d`` the coefficient stays ``q`` and the readout
 is marked ``decayed`` (``d_t`` multiplies the whole readout of step ``t``), so ``q`` keeps the
-axes of the inputs it reads (per group of heads, Mamba-2's ``C``). The analysis is symbolic and serves every backend: it yields
+axes of the inputs it reads (per group of heads, Mamba-2's ``C``). Where the state-free sum is
+exactly the step's own added terms, it leaves the rest too and the readout is marked
+``diagonal``: the chunk products take it whole, their causal weights including ``j = t`` with
+weight 1 (no ``Σ_n q[n] a_r[n]`` per step beside them, nor its gradient). The analysis is
+symbolic and serves every backend: it yields
 the expressions of ``log d``, ``a``, ``b`` and ``c`` per step and the outputs as functions of
 the readouts (``MatrixForm``), which ``backends/mlx_matrix.py`` evaluates and multiplies.
 
@@ -77,13 +81,18 @@ class Readout:
     to the whole readout of step ``t``, so the coefficient stays the un-decayed vector ``q``
     (shared by a group of heads where ``q`` is, Mamba-2's ``C``). ``reads``: the reads ``ρ``
     of a delta rule the sum takes, known per step once solved, by their weights ``w[n]``
-    (``Σ_n w[n] ρ``: a readout of the state after the update reads its ``α ρ``)."""
+    (``Σ_n w[n] ρ``: a readout of the state after the update reads its ``α ρ``).
+    ``diagonal``: the decayed states (no delta rule) whose own added terms of the step,
+    ``Σ_n q[n] a_r[n] b_r``, the readout takes through the chunk products (their causal weights
+    include ``j = t``, weight 1) and not through ``rest``: it reads the state after the
+    update whole."""
 
     target: sympy.Symbol
     coefficients: dict  # state symbol -> lane-free expression over the state axis
     rest: sympy.Expr  # state-free
     decayed: frozenset = frozenset()
     reads: dict = field(default_factory=dict)  # ρ -> its weight in the sum (a delta rule)
+    diagonal: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,32 @@ def _without(c: sympy.Expr, d: sympy.Expr):
     return sympy.Mul(*factors)
 
 
+def _expanded_terms(e: sympy.Expr) -> list:
+    return list(sympy.Add.make_args(sympy.expand(e, deep=False, power_exp=False,
+                                                 power_base=False, log=False)))
+
+
+def _own_terms(rest: sympy.Expr, coefficients: dict, decayed: set, by_symbol: dict):
+    """``(rest, diagonal)``: the states of ``decayed`` whose own added terms of the step,
+    ``Σ_r q[n] a_r[n] b_r``, are all terms of ``rest`` (a readout of the state after the
+    update), and ``rest`` without them. Delta rules keep theirs: their reads add to the step."""
+    diagonal, terms = set(), _expanded_terms(rest)
+    for s in sorted(decayed, key=str):
+        st = by_symbol[s]
+        if st.low_rank or not st.terms:
+            continue
+        own = _expanded_terms(sum(coefficients[s] * a * b for a, b in st.terms))
+        remaining = list(terms)
+        for term in own:
+            if term not in remaining:
+                break
+            remaining.remove(term)
+        else:
+            diagonal.add(s)
+            terms = remaining
+    return sympy.Add(*terms), frozenset(diagonal)
+
+
 def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
     """Decide whether the step has the chunkwise matrix form, and derive its parts."""
     spec = ir.spec
@@ -275,7 +310,9 @@ def analyse(ir: StepIR, affine: AffineForm) -> MatrixForm:
                 coefficients[s] = q
                 decayed.add(s)
         rest = r.body.xreplace({s: 0 for s in (*reads, *weights)})
-        readouts.append(Readout(r.target, coefficients, rest, frozenset(decayed), weights))
+        rest, diagonal = _own_terms(rest, coefficients, decayed, by_symbol)
+        readouts.append(Readout(r.target, coefficients, rest, frozenset(decayed), weights,
+                                diagonal))
         dependent.add(r.target)
     for slot, e in ir.outputs.items():
         if e.free_symbols & set(state_syms):

@@ -370,3 +370,51 @@ def test_factors_per_group_of_heads(decay):
         return [mx.stack(ys, axis=1), mx.stack(zs, axis=1)], [h]
 
     _assert_matches(run, ref, [x, g, B, C, E], [h0])
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "p": "B L H K",
+                       "u": "B L H V", "x": "B L H K", "g": "B L H"},
+               outputs={"o": "B L H V"})
+def two_terms_read_after(S, q, k, v, p, u, x, g, i):
+    """Two added terms, read after the update together with a state-free part of the sum."""
+    S[i] = g * S[i] + k[i] * v + p[i] * u
+    return {"o": rg.Sum(q[i] * (S[i] + x[i]), i)}
+
+
+def test_a_readout_after_the_update_takes_its_own_step_in_the_products():
+    """A readout of the state after the update takes the step's own added terms through the
+    chunk products (``Readout.diagonal``: the causal weights' diagonal, weight 1), so no
+    ``Σ_n q[n] a_r[n] b_r`` per step is left beside them; what else the sum reads stays in
+    the rest. Vector decays and delta rules keep theirs in the rest."""
+    import sympy
+    for name in ("gla", "retnet", "mamba2"):
+        ro, = rg.load_spec(name).matrix.readouts
+        assert ro.diagonal == ro.decayed and len(ro.diagonal) == 1 and ro.rest == 0, name
+    for name in ("ssd", "hgrn2", "rwkv6", "gated_deltanet"):
+        assert not any(ro.diagonal for ro in rg.load_spec(name).matrix.readouts), name
+    sym = {s.name: s for s in two_terms_read_after.spec.symbols.values()}
+    ro, = two_terms_read_after.matrix.readouts
+    assert ro.diagonal == {sym["S"]} and sympy.expand(ro.rest - sym["q"] * sym["x"]) == 0
+
+    b, L, H, K, V = 2, 11, 2, 3, 4
+    q, k, p, x = (0.5 * mx.random.normal((b, L, H, K)) for _ in range(4))
+    v, u = mx.random.normal((b, L, H, V)), mx.random.normal((b, L, H, V))
+    g = mx.random.uniform(-1.0, 1.0, (b, L, H))
+    S0 = mx.random.normal((b, H, K, V))
+
+    def run(i, s):
+        o, S = two_terms_read_after(*i, initial_state=s[0], return_state=True, backend="mlx",
+                                    schedule="matrix", seg=4)
+        return [o], [S]
+
+    def ref(i, s):
+        q, k, v, p, u, x, g = i
+        S, os_ = s[0], []
+        for t in range(L):
+            S = (g[:, t][..., None, None] * S + k[:, t][..., None] * v[:, t][..., None, :]
+                 + p[:, t][..., None] * u[:, t][..., None, :])
+            os_.append(mx.einsum("bhk,bhkv->bhv", q[:, t], S + x[:, t][..., None]))
+        return [mx.stack(os_, axis=1)], [S]
+
+    _assert_matches(run, ref, [q, k, v, p, u, x, g], [S0])

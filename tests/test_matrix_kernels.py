@@ -112,7 +112,7 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts):
 
     _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
                     tol=_tol(backend))
-    assert {s.C for s in kernel_calls} == {seg}
+    assert {s.C for s in kernel_calls} == {seg} and all(s.diagonal for s in kernel_calls)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -173,6 +173,43 @@ def test_a_readout_before_the_update(backend, kernel_calls, readouts):
 
     _assert_matches(run, ref, [q, k, v, g], [S0], tol=_tol(backend))
     assert kernel_calls and not kernel_calls[0].inclusive
+
+
+@rg.recurrence(lane="V", state={"S": "B H K V"},
+               inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H"},
+               outputs={"y": "B L H V"})
+def read_decayed(S, q, k, v, g, i):
+    """A readout of the decayed state before the update: y = Σ q g S_{t-1} (the decay's step
+    included, the step's added term not: no diagonal in the causal weights)."""
+    y = rg.Sum(q[i] * g * S[i], i)
+    S[i] = g * S[i] + k[i] * v
+    return {"y": y}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_a_decayed_readout_without_its_own_step(backend, kernel_calls, readouts):
+    mx.random.seed(4)
+    b, L, H, K, V = 2, 37, 2, 8, 8
+    q, k, v = (mx.random.normal((b, L, H, n)) for n in (K, K, V))
+    g = mx.random.uniform(0.5, 1.0, (b, L, H))
+    S0 = mx.random.normal((b, H, K, V))
+
+    def ref(i, s):
+        q, k, v, g = i
+        S, ys = s[0], []
+        for t in range(L):
+            gt = g[:, t][..., None, None]
+            ys.append(mx.einsum("bhk,bhkv->bhv", q[:, t], gt * S))
+            S = gt * S + k[:, t][..., None] * v[:, t][..., None, :]
+        return [mx.stack(ys, axis=1)], [S]
+
+    def run(i, s):
+        y, S = read_decayed(*i, initial_state=s[0], return_state=True, backend=backend,
+                            schedule="matrix", seg=16)
+        return [y], [S]
+
+    _assert_matches(run, ref, [q, k, v, g], [S0], tol=_tol(backend))
+    assert kernel_calls and kernel_calls[0].inclusive and not kernel_calls[0].diagonal
 
 
 def test_exact_products_on_the_scalar_units(monkeypatch, kernel_calls):
@@ -291,7 +328,8 @@ def test_cuda_text_compiles(tmp_path, kind):
     compiles with nvcc for sm_90, MLX's device header replaced by the standard one."""
     for units in (True, False):
         for signed in (False, True):
-            text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units)
+            text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units,
+                                    diagonal=signed)
             text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
                                 "#include <cstdint>")
             src = tmp_path / f"{kind}_{units}_{signed}.cu"

@@ -4,14 +4,14 @@ For a state of the matrix form (``matrix.analyse``) with a scalar decay, one add
 readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-step factors,
 ``(I, T, K)`` arrays ``c`` and ``a``, ``(I, T, V)`` ``b``, ``(I, T)`` ``log |d|`` and sign of
 ``d`` (``±1``) and the initial state ``(I, K, V)``, giving the readouts
-``y[t] = c[t] · S[t-1]`` (``· S[t]`` for a ``decayed`` readout), the final state and the state
-entering every chunk. Everything else — the factors from the inputs, the per-step outputs from
+``y[t] = c[t] · S[t-1]`` (``· d_t S[t-1]`` for a ``decayed`` readout, ``· S[t]`` for a
+``diagonal`` one), the final state and the state entering every chunk. Everything else — the factors from the inputs, the per-step outputs from
 the readouts — stays MLX ops, so MLX differentiates it; the core's VJP is
 
 * the states and chain kernels walked newest first: the gradient leaving each chunk (``G``)
   and ``dS0``;
 * per chunk, in MLX ops (batched matmuls) around the weights kernel: with the causal weights
-  ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``), ``W = M ∘ (c @ aᵀ)``, ``dW = M ∘ (dy @ bᵀ)``:
+  ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``; ``j ≤ t`` for a ``diagonal`` readout), ``W = M ∘ (c @ aᵀ)``, ``dW = M ∘ (dy @ bᵀ)``:
   ``dc = exp(R) ⊙ (dy @ Sᵀ) + dW @ a``, ``da = dWᵀ @ c + exp(Λ_C - Λ) ⊙ (b @ Gᵀ)``,
   ``db = Wᵀ @ dy + (a ⊙ exp(Λ_C - Λ)) @ G``. The weights kernel forms ``W`` and ``dW`` and
   takes the cotangent of ``M`` onto ``log d``, each step's a sum over the pairs whose range
@@ -77,12 +77,13 @@ class MatrixKernels:
     def units(self) -> bool:
         return not (self.dialect.name == "cuda" and os.environ.get("MLX_ENABLE_TF32") == "0")
 
-    def shape(self, C, K, V, inclusive, signed=False, units=None):
+    def shape(self, C, K, V, inclusive, signed=False, units=None, diagonal=False):
         """The kernels' shape for these sizes, or None where no tiling fits group memory;
         ``units``: the products on the matrix units (None: as ``units()`` says)."""
         t = tiles(C, K, V, self.dialect.shared_bytes, self.dialect.matrix_pads)
         units = self.units() if units is None else units
-        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, units, signed)
+        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, units, signed,
+                                                        diagonal)
 
     @staticmethod
     def _text(dialect, shape, kind):
@@ -256,7 +257,7 @@ def _chunk_signs(shape, chunks, sign):
 
 
 def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False,
-                  signed=False, units=None) -> str:
+                  signed=False, units=None, diagonal=False) -> str:
     """The full text of a matrix kernel (``KERNELS``) as ``backend`` compiles it, MLX's
     generated signature included, for a state of ``state_size`` x ``lanes``; ``units``: the
     products on the matrix units, or exact on the scalar units (None: as a call would)."""
@@ -266,7 +267,8 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     if backend not in ("metal", "cuda", "metal-sim"):
         raise ValueError(f"backend must be 'metal', 'metal-sim' or 'cuda', got {backend!r}")
     kernels = MatrixKernels(backend)
-    shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive, signed, units)
+    shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive, signed, units,
+                          diagonal)
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
@@ -278,16 +280,17 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
 
 
 def kernel_flags(form, st):
-    """``(readout index, inclusive, signed)`` where the kernels serve state ``st`` of the matrix
-    form ``form`` (a scalar decay, one added term, one readout, no delta-rule read), else
-    None."""
+    """``(readout index, inclusive, signed, diagonal)`` where the kernels serve state ``st`` of
+    the matrix form ``form`` (a scalar decay, one added term, one readout, no delta-rule read),
+    else None."""
     if st.vector_decay or len(st.terms) != 1 or st.low_rank:
         return None
     reading = [i for i, ro in enumerate(form.readouts) if st.symbol in ro.coefficients]
     if len(reading) != 1:
         return None
     i, = reading
-    return i, st.symbol in form.readouts[i].decayed, not st.positive
+    ro = form.readouts[i]
+    return i, st.symbol in ro.decayed, not st.positive, st.symbol in ro.diagonal
 
 
 def spec_matrix_source(rec, kind, backend, seg=64, state_size=64, lanes=64) -> str:
@@ -299,7 +302,8 @@ def spec_matrix_source(rec, kind, backend, seg=64, state_size=64, lanes=64) -> s
     for st in form.states:
         flags = kernel_flags(form, st)
         if flags is not None:
-            return matrix_source(kind, backend, seg, state_size, lanes, flags[1], flags[2])
+            return matrix_source(kind, backend, seg, state_size, lanes, flags[1], flags[2],
+                                 diagonal=flags[3])
     raise ValueError(f"{rec.name}: no state of its matrix form runs on the matrix kernels (they "
                      "take a scalar decay, one added term and one readout); its products run "
                      "as MLX matmuls")

@@ -295,7 +295,8 @@ class MatrixForm(SequentialForm):
             for s, st in enumerate(form.states):
                 if st.symbol in ro.coefficients:
                     add(ro.coefficients[st.symbol], "c", s, i)
-            add(lane_sum(ro.rest, f"rest{i}_"), "rest", None, i)
+            if ro.rest != 0:  # the readout of the state after the update has none (diagonal)
+                add(lane_sum(ro.rest, f"rest{i}_"), "rest", None, i)
             for p, w in ro.reads.items():  # the weight of a delta rule's read ρ: Σ_n w[n] ρ
                 add(lane_sum(w, f"read{i}_"), "read", None, i, p)
         self.factors = render_mlx(_program(ir, exprs, sums), "matrix_factors")
@@ -488,6 +489,8 @@ class MatrixForm(SequentialForm):
                 if st.symbol in ro.decayed:  # a scalar decay taken out of c: d_t on row t
                     d_t = mx.exp(log_d) if sg is None else mx.exp(log_d) * sg
                     row, w = row * d_t, w * d_t
+                if st.symbol in ro.diagonal:  # the step's own terms: j = t, weight 1
+                    w = w + mx.eye(w.shape[-1])
                 y = row * _matmul(members, lc, c_t, S_start, mm)
                 for a, la, b in terms:
                     if la == lc and lc is not None:
@@ -509,7 +512,8 @@ class MatrixForm(SequentialForm):
             for p in ro.reads:
                 y = y + f[("read", None, i, p)] * chunks.join(reads[p])
             y = y[..., None] if isinstance(y, mx.array) else y
-            env[ro.target] = y + f[("rest", None, i, None)]
+            rest = f.get(("rest", None, i, None))
+            env[ro.target] = y if rest is None else y + rest
         outs = self._call(self.post, env, self._block(values, T, sizes))
         return outs, finals
 
@@ -525,9 +529,9 @@ class MatrixForm(SequentialForm):
         flags = kernel_flags(self.form, st) if self._kernels_on() else None
         if flags is None:
             return None
-        i, inclusive, signed = flags
+        i, inclusive, signed, diagonal = flags
         K, V = S0.shape[-2:]
-        shape = self.kernels.shape(kernel_chunk(seg), K, V, inclusive, signed)
+        shape = self.kernels.shape(kernel_chunk(seg), K, V, inclusive, signed, diagonal=diagonal)
         return None if shape is None else (self.kernels.core(shape), i)
 
     def _run_core(self, core, st, s, i, f, members, S0):

@@ -15,7 +15,7 @@ chain    one thread per element of the state walks the chunks in order (``adjoin
          one out per element and chunk, so its threads never wait on a product.
 outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_start) +
          (M ∘ (c @ aᵀ)) @ b`` with the causal decay weights ``M[t, j] = exp(R_t - Λ_j)``,
-         ``j < t``.
+         ``j < t`` (``j ≤ t`` for a ``diagonal`` readout).
 
 weights  one threadgroup per (instance, chunk): from the chunk's scores ``CA = c @ aᵀ`` (MLX's
          matmuls) the weighted ``W = CA ∘ M``; with their cotangent ``DB = dy @ bᵀ``
@@ -25,7 +25,9 @@ weights  one threadgroup per (instance, chunk): from the chunk's scores ``CA = c
 
 ``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
 ``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
-marked ``decayed`` (``matrix.Readout.decayed``: ``d_t`` multiplies the whole readout). A decay
+marked ``decayed`` (``matrix.Readout.decayed``: ``d_t`` multiplies the whole readout). A readout
+marked ``diagonal`` (``matrix.Readout.diagonal``: the state after the update, the step's own
+added term included) has the causal weights' diagonal too, ``M[t, t] = 1``. A decay
 whose sign is not known symbolically brings its sign as a ``±1`` per step, and each weight is
 multiplied by the product of the signs over its range (running products within the chunk). Every
 product is ``recgen_mm`` on two tiles in group memory: the target's matrix units
@@ -79,8 +81,9 @@ def tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
 @dataclass(frozen=True)
 class MatrixKernelShape:
     """What a matrix kernel's text depends on: chunk ``C`` (a multiple of 16), state sizes
-    ``K``, ``V``, tiles, whether readouts include their own step's decay, and whether the
-    products run on the matrix units (else exact fp32 on the scalar units)."""
+    ``K``, ``V``, tiles, whether readouts include their own step's decay (``inclusive``) and
+    its added term (``diagonal``: ``M[t, t] = 1``), and whether the products run on the matrix
+    units (else exact fp32 on the scalar units)."""
 
     C: int
     K: int
@@ -90,6 +93,7 @@ class MatrixKernelShape:
     inclusive: bool
     units: bool
     signed: bool = False  # the decay's sign is not known: a ±1 per step, ``sign``
+    diagonal: bool = False  # readouts take their own step's added term: M[t, t] = 1
 
 
 class MatrixRenderer:
@@ -105,6 +109,9 @@ class MatrixRenderer:
         return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C,
                     exponentials=_EXPONENTIALS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT, NT=THREADS,
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
+                    diagonal=s.diagonal,  # the causal weights' columns j of row t, and the others
+                    causal="j <= t" if s.diagonal else "j < t",
+                    masked="j > t" if s.diagonal else "j >= t",
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
                     LDC=KT + rows, LDW=s.C + rows, LDS=VT + cols, LDB=VT + cols,
                     tiles=max(2 * s.C * (KT + rows), s.C * (VT + cols)),
