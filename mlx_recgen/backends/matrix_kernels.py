@@ -5,18 +5,22 @@ readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-st
 ``(I, T, K)`` arrays ``c`` and ``a``, ``(I, T, V)`` ``b``, ``(I, T)`` ``log |d|`` and sign of
 ``d`` (``±1``) and the initial state ``(I, K, V)``, giving the readouts
 ``y[t] = c[t] · S[t-1]`` (``· d_t S[t-1]`` for a ``decayed`` readout, ``· S[t]`` for a
-``diagonal`` one), the final state and the state entering every chunk. Everything else — the factors from the inputs, the per-step outputs from
-the readouts — stays MLX ops, so MLX differentiates it; the core's VJP is
+``diagonal`` one), the final state and the state entering every chunk. Everything else — the
+factors from the inputs, the per-step outputs from the readouts — stays MLX ops, so MLX
+differentiates it; the core's VJP is
 
 * the states and chain kernels walked newest first: the gradient leaving each chunk (``G``)
   and ``dS0``;
-* per chunk, in MLX ops (batched matmuls) around the weights kernel: with the causal weights
-  ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``; ``j ≤ t`` for a ``diagonal`` readout), ``W = M ∘ (c @ aᵀ)``, ``dW = M ∘ (dy @ bᵀ)``:
+* per chunk, MLX's batched matmuls between two kernels: with the causal weights
+  ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``; ``j ≤ t`` for a ``diagonal`` readout),
+  ``W = M ∘ (c @ aᵀ)``, ``dW = M ∘ (dy @ bᵀ)``:
   ``dc = exp(R) ⊙ (dy @ Sᵀ) + dW @ a``, ``da = dWᵀ @ c + exp(Λ_C - Λ) ⊙ (b @ Gᵀ)``,
-  ``db = Wᵀ @ dy + (a ⊙ exp(Λ_C - Λ)) @ G``. The weights kernel forms ``W`` and ``dW`` and
+  ``db = Wᵀ @ dy + exp(Λ_C - Λ) ⊙ (a @ G)``. The weights kernel forms ``W`` and ``dW`` and
   takes the cotangent of ``M`` onto ``log d``, each step's a sum over the pairs whose range
-  holds it (a difference of two running sums would lose the digits of their magnitude); MLX's
-  VJP takes those of ``exp(R)``, ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` back through their sums.
+  holds it (a difference of two running sums would lose the digits of their magnitude). The
+  gradients kernel adds the products up and sums the rows that carry the cotangents of
+  ``exp(R)`` and ``exp(Λ_C - Λ)``, which MLX's VJP takes back onto ``log d`` through their
+  sums, as that of ``exp(Λ_C)``.
 
 Kernels are rendered by ``render/matrix.py`` and built once per (shape, flags); the chunk the
 kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most 64.
@@ -44,8 +48,10 @@ from .matrix_chunks import MatrixChunks, parity
 DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 # The kernels by kind: each chunk's state from zero and the chain through the chunks; the
 # readouts; the same two for the adjoint of the states (chained newest first); the causal
-# weights of the readouts, and with their cotangents those of the chunk gradients
-KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint")
+# weights of the readouts, and with their cotangents those of the chunk gradients; the chunk
+# gradients from their products
+KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint",
+           "gradients")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
 # kernel, per backend: on CUDA, where an H100 ran GLA's B8 H16 L4096 forward in 2.40 against
@@ -101,6 +107,11 @@ class MatrixKernels:
         elif kind == "weights_adjoint":
             body, outs = r.weights(adjoint=True), ["weights", "d_weights", "d_log_d"]
             ins = ["scores", "d_scores", "log_d", *signs, "dims"]
+        elif kind == "gradients":
+            body = r.gradients()
+            ins = ["c", "a", "dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
+                   "dims"]
+            outs = ["dc", "da", "db", "row_c", "row_a"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
             ins, outs = ["local", "decay", "init", "dims"], ["states", "last"]
@@ -163,7 +174,8 @@ class MatrixKernels:
         if sign is not None:
             e_row = e_row * _chunk_signs(shape, chunks, sign)[0]
         W = self.weights(shape, cc @ _tr(ac), log_d, sign)
-        return chunks.join(W @ bc + e_row * (cc @ starts))
+        # the sum in the product's epilogue: MLX's compile does not fuse within the core
+        return chunks.join(mx.addmm(e_row * (cc @ starts), W, bc))
 
     def weights(self, shape, scores, log_d, sign, d_scores=None):
         """The causal decay weights applied to the chunks' ``(I, nc, C, C)`` scores, ``W``; with
@@ -179,6 +191,18 @@ class MatrixKernels:
             output_shapes=[scores.shape, scores.shape, (I, T)][:3 if adjoint else 1],
             output_dtypes=[mx.float32] * (3 if adjoint else 1))
         return outs if adjoint else outs[0]
+
+    def gradients(self, shape, cc, ac, dy_S, dW_a, dW_c, b_G, a_G, W_dy, e_row, e_end):
+        """``(dc, da, db, Σ_k c dy_S, Σ_k a b_G)`` by chunk from the products (``(I, nc, C, X)``)
+        and the exponentials with their signs (``(I, nc, C, 1)``): module docstring."""
+        lead = cc.shape[:-1]
+        rows = lead[0] * lead[1] * lead[2]
+        return self._kernel(shape, "gradients")(
+            inputs=[cc, ac, dy_S, dW_a, dW_c, b_G, a_G, W_dy, e_row, e_end,
+                    mx.array([rows], dtype=mx.int32)],
+            grid=(-(-rows // (THREADS // 32)) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[cc.shape, cc.shape, W_dy.shape, (*lead, 1), (*lead, 1)],
+            output_dtypes=[mx.float32] * 5)
 
     # -- the custom function ---------------------------------------------------------------------
     def core(self, shape):
@@ -212,7 +236,8 @@ class MatrixKernels:
     def _chunk_gradients(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
         (module docstring): batched products over chunks, the causal weights and their
-        cotangent in the weights kernel."""
+        cotangent in the weights kernel, the sums and scalings after the products in the
+        gradients kernel."""
         chunks = MatrixChunks(c.shape[1], shape.C, 1)
         cc, ac, bc, dyc = (chunks.cut(x) for x in (c, a, b, dy))
         lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
@@ -221,15 +246,15 @@ class MatrixKernels:
         W, dW, d_log_d = self.weights(shape, cc @ _tr(ac), log_d, sign, d_scores=dyc @ _tr(bc))
         b_G = bc @ _tr(leaving)  # (I, nc, C, K)
         dy_S = dyc @ _tr(starts)  # (I, nc, C, K)
+        e_row, e_end, _ = _exponentials(lam, shape.inclusive)
+        # (a ⊙ e_end) @ G as e_end ⊙ (a @ G): a row scaling commutes with the product
+        dc, da, db, row_c, row_a = self.gradients(
+            shape, cc, ac, dy_S, dW @ ac, _tr(dW) @ cc, b_G, ac @ leaving, _tr(W) @ dyc,
+            e_row * s_row, e_end * s_end)
         # the exponentials' cotangents, taken back onto log d by MLX through their sums
-        cotangents = [s_row * mx.sum(cc * dy_S, axis=-1, keepdims=True),
-                      s_end * mx.sum(ac * b_G, axis=-1, keepdims=True),
+        cotangents = [s_row * row_c, s_end * row_a,
                       s_whole * mx.sum(leaving * starts, axis=(-2, -1))[..., None, None]]
-        (e_row, e_end, _), (d_lam,) = mx.vjp(
-            lambda lam: _exponentials(lam, shape.inclusive), [lam], cotangents)
-        dc = e_row * s_row * dy_S + dW @ ac
-        da = _tr(dW) @ cc + e_end * s_end * b_G
-        db = _tr(W) @ dyc + (ac * e_end * s_end) @ leaving
+        _, (d_lam,) = mx.vjp(lambda lam: _exponentials(lam, shape.inclusive), [lam], cotangents)
         return (chunks.join(dc), chunks.join(da), chunks.join(db),
                 chunks.join(d_lam)[..., 0] + d_log_d)
 
@@ -273,7 +298,8 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
-             "scores": 4, "d_scores": 4}
+             "scores": 4, "d_scores": 4,
+             **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end")}}
     infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, ranks.get(n, 3)) for n in ins]
     build = cuda_source if backend == "cuda" else metal_source
     return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]

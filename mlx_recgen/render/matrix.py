@@ -22,6 +22,9 @@ weights  one threadgroup per (instance, chunk): from the chunk's scores ``CA = c
          (``weights_adjoint``) also ``dW = DB ∘ M`` and the cotangent of ``log d`` through
          ``M``, ``Σ CA DB M`` over the pairs ``(t, j)`` whose range holds the step, as prefix
          sums along each row.
+gradients  one simdgroup per step: the chunk gradients ``dc``, ``da``, ``db`` from the chunks'
+         products (MLX's matmuls) and the exponentials, and the row sums that carry the
+         exponentials' cotangents, in one pass.
 
 ``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
 ``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
@@ -143,6 +146,10 @@ class MatrixRenderer:
 
     def outputs(self) -> str:
         return environment().get_template("matrix_outputs.j2").render(**self._context("outputs"))
+
+    def gradients(self) -> str:
+        return environment().get_template("matrix_gradients.j2").render(
+            **self._context("gradients"))
 
 
 __all__ = ["MatrixKernelShape", "MatrixRenderer", "STATE_TILE", "THREADS", "shared_floats",
