@@ -244,21 +244,36 @@ def test_a_planted_error_in_the_matrix_products_is_caught(kernel_calls, monkeypa
     assert kernel_calls
 
 
-def test_padded_rows_in_group_memory(kernel_calls, monkeypatch):
+def test_cuda_padding_and_tiles_in_group_memory(kernel_calls, monkeypatch):
     """CUDA pads the rows of the products' operands (``Dialect.matrix_pads``); the same padding
-    run through the simulator gives the papers' numbers (Metal itself pads nothing)."""
+    run through the simulator gives the papers' numbers (Metal itself pads nothing). At chunks
+    of 32 the states kernel's 64 x 32 tiles fit Metal's 32 KB of group memory too (at 64 only
+    CUDA's 48 KB: ``state_tiles``)."""
     kernels = mk.matrix_kernels("metal-sim")
     cuda_pads = mk.DIALECTS["cuda"].matrix_pads
     assert cuda_pads != (0, 0)
+    assert mk.state_tiles(64, 64, 64, mk.DIALECTS["cuda"].shared_bytes, cuda_pads) == (64, 32)
+    assert mk.state_tiles(64, 64, 64, kernels.dialect.shared_bytes) == (32, 32)
     monkeypatch.setattr(kernels, "dialect",
                         dataclasses.replace(kernels.dialect, matrix_pads=cuda_pads))
     monkeypatch.setattr(kernels, "_kernels", type(kernels._kernels)(4))
     mx.random.seed(9)
-    inputs, states = _draw("retnet")
-    _assert_matches(_run("retnet", "metal-sim", 16), lambda i, s: _reference("retnet", i, s),
-                    inputs, states)
+    b, L, H, K, V = 2, 70, 2, 50, 20  # a state over tiles of 64 x 32, neither filled
+    q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
+    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+    g = mx.random.uniform(0.7, 1.0, (b, L, H))
+    gla = rg.load_spec("gla")
+
+    def run(i, s):
+        y, S = gla(*i, initial_state=s[0], return_state=True, backend="metal-sim",
+                   schedule="matrix", seg=32)
+        return [y], [S]
+
+    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
+                    tol=TOL)
+    assert {s.state_tiles for s in kernel_calls} == {(64, 32)}
     text = mk.MatrixRenderer(kernels.dialect, kernel_calls[0]).states(False)
-    assert f"LDX = {mk.STATE_TILE + cuda_pads[1]}" in text
+    assert f"LDX = {64 + cuda_pads[1]}" in text
 
 
 def test_vector_decays_stay_in_mlx_ops(kernel_calls):

@@ -35,7 +35,7 @@ import mlx.core as mx
 from ..function import first_order_only
 from ..memo import LRU
 from ..render.dialects import DIALECTS
-from ..render.matrix import STATE_TILE, THREADS, MatrixKernelShape, MatrixRenderer, tiles
+from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, state_tiles, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, parity
@@ -86,10 +86,11 @@ class MatrixKernels:
     def shape(self, C, K, V, inclusive, signed=False, units=None, diagonal=False):
         """The kernels' shape for these sizes, or None where no tiling fits group memory;
         ``units``: the products on the matrix units (None: as ``units()`` says)."""
-        t = tiles(C, K, V, self.dialect.shared_bytes, self.dialect.matrix_pads)
+        memory, pads = self.dialect.shared_bytes, self.dialect.matrix_pads
+        t = tiles(C, K, V, memory, pads)
         units = self.units() if units is None else units
         return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, units, signed,
-                                                        diagonal)
+                                                        diagonal, state_tiles(C, K, V, memory, pads))
 
     @staticmethod
     def _text(dialect, shape, kind):
@@ -140,7 +141,8 @@ class MatrixKernels:
         I, T, K = x.shape
         V = y.shape[-1]
         nc = -(-T // shape.C)
-        tiles = -(-K // STATE_TILE) * -(-V // STATE_TILE)
+        SK, SV = shape.state_tiles
+        tiles = -(-K // SK) * -(-V // SV)
         local, decay = self._kernel(shape, "adjoint" if reverse else "states")(
             inputs=[x, y, log_d, *_signs(sign), mx.array([T], dtype=mx.int32)],
             grid=(I * nc * tiles * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

@@ -5,7 +5,7 @@ through ``matrix.analyse`` and are evaluated in MLX ops; what the kernels comput
 form itself, the same for every spec, so they are rendered from the chunk length, the state's
 sizes and two flags, not from a spec:
 
-states   one threadgroup per (instance, chunk, K tile, V tile; tiles of ``STATE_TILE``) takes
+states   one threadgroup per (instance, chunk, K tile, V tile; ``state_tiles``) takes
          its chunk's state from zero, ``U = Xᵀ Y`` with ``X[j] = a[j] exp(Λ_C - Λ_j)``,
          ``Y = b``, and the chunk's decay ``exp(Λ_C)``; with ``X[j] = c[j] exp(R_j)``,
          ``Y = dy`` (``adjoint``) the same for the adjoint of the states.
@@ -46,9 +46,10 @@ from .kernels import environment
 
 THREADS = 128  # four simdgroups / warps per threadgroup
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
-# The states kernel's K and V tile: each threadgroup repeats its chunk's loads of log d and
-# running sums, so a tile of 16 would repeat them four times as often
-STATE_TILE = 32
+# The states kernel's K and V tiles, largest first: each threadgroup repeats its chunk's loads
+# of log d and running sums, and a 32 x 32 tile keeps two of four warps busy in the product
+# (M = 32 is two strips of 16 rows); 64 x 32 fits CUDA's 48 KB of group memory, not Metal's 32
+STATE_TILES = ((64, 32), (32, 32))
 
 
 # the per-step exponentials each kernel reads: exp(Λ_C - Λ_j) scales the states kernel's a,
@@ -60,13 +61,13 @@ def _padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def shared_floats(C: int, KT: int, VT: int, pads=(0, 0)) -> dict:
+def shared_floats(C: int, KT: int, VT: int, pads=(0, 0), state_tiles=STATE_TILES[-1]) -> dict:
     """Floats of group memory each kernel declares (the states kernel with its own tiles,
-    ``STATE_TILE``); ``pads``: ``Dialect.matrix_pads``."""
+    ``state_tiles``); ``pads``: ``Dialect.matrix_pads``."""
     rows, cols = pads
     per_step = 11 * C  # log d, two partial sums, Λ, R, Λ_C - Λ, and (signed) those of the signs
-    ST = STATE_TILE
-    return {"states": C * (ST + cols) + C * (ST + cols) + ST * ST + per_step,
+    SK, SV = state_tiles
+    return {"states": C * (SK + cols) + C * (SV + cols) + SK * SV + per_step,
             "outputs": max(2 * C * (KT + rows), C * (VT + cols)) + C * (C + rows)
             + KT * (VT + cols) + C * VT + per_step}
 
@@ -79,6 +80,16 @@ def tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
             if max(shared_floats(C, KT, VT, pads).values()) * 4 <= shared_bytes:
                 return KT, VT
     return None
+
+
+def state_tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
+    """The states kernel's ``(K tile, V tile)``: the largest of ``STATE_TILES`` no larger than
+    the state (rounded up to 16) whose kernel fits ``shared_bytes`` of group memory."""
+    for SK, SV in STATE_TILES:
+        if SK <= max(_padded(K), STATE_TILES[-1][0]) and SV <= max(_padded(V), STATE_TILES[-1][1]) \
+                and shared_floats(C, 16, 16, pads, (SK, SV))["states"] * 4 <= shared_bytes:
+            return SK, SV
+    return STATE_TILES[-1]
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,7 @@ class MatrixKernelShape:
     units: bool
     signed: bool = False  # the decay's sign is not known: a ±1 per step, ``sign``
     diagonal: bool = False  # readouts take their own step's added term: M[t, t] = 1
+    state_tiles: tuple = STATE_TILES[-1]  # the states kernel's (K tile, V tile)
 
 
 class MatrixRenderer:
@@ -108,7 +120,7 @@ class MatrixRenderer:
     def _context(self, kind: str) -> dict:
         s, (rows, cols) = self.shape, self.d.matrix_pads
         states = kind in ("states", "adjoint", "chain", "adjoint_chain")
-        KT, VT = (STATE_TILE, STATE_TILE) if states else (s.KT, s.VT)
+        KT, VT = s.state_tiles if states else (s.KT, s.VT)
         return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C,
                     exponentials=_EXPONENTIALS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT, NT=THREADS,
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
@@ -152,5 +164,5 @@ class MatrixRenderer:
             **self._context("gradients"))
 
 
-__all__ = ["MatrixKernelShape", "MatrixRenderer", "STATE_TILE", "THREADS", "shared_floats",
-           "tiles"]
+__all__ = ["MatrixKernelShape", "MatrixRenderer", "STATE_TILES", "THREADS", "shared_floats",
+           "state_tiles", "tiles"]
