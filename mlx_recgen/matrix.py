@@ -200,8 +200,10 @@ def _without(c: sympy.Expr, d: sympy.Expr):
 
 
 def _expanded_terms(e: sympy.Expr) -> list:
-    return list(sympy.Add.make_args(sympy.expand(e, deep=False, power_exp=False,
-                                                 power_base=False, log=False)))
+    """The terms of ``e`` expanded, each with its masks folded (``C * where(m, B x, 0)`` and
+    ``B C * where(m, x, 0)`` are one term)."""
+    return [sympy.piecewise_fold(t) for t in sympy.Add.make_args(
+        sympy.expand(e, deep=False, power_exp=False, power_base=False, log=False))]
 
 
 def _own_terms(rest: sympy.Expr, coefficients: dict, decayed: set, by_symbol: dict):

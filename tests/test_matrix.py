@@ -382,6 +382,16 @@ def two_terms_read_after(S, q, k, v, p, u, x, g, i):
     return {"o": rg.Sum(q[i] * (S[i] + x[i]), i)}
 
 
+@rg.recurrence(lane="P", state={"h": "B H P N"},
+               inputs={"x": "B L H P", "dt": "B L H", "A": "H", "B": "B L H N", "C": "B L H N",
+                       "mask": "B L"},
+               outputs={"y": "B L H P"})
+def masked_ssd(h, x, dt, A, B, C, mask, n):
+    """Mamba-2's step held where ``mask`` is false (padded steps)."""
+    h[n] = rg.where(mask, rg.exp(dt * A) * h[n] + dt * B[n] * x, h[n])
+    return {"y": rg.Sum(C[n] * h[n], n)}
+
+
 def test_a_readout_after_the_update_takes_its_own_step_in_the_products():
     """A readout of the state after the update takes the step's own added terms through the
     chunk products (``Readout.diagonal``: the causal weights' diagonal, weight 1), so no
@@ -393,6 +403,9 @@ def test_a_readout_after_the_update_takes_its_own_step_in_the_products():
         assert ro.diagonal == ro.decayed and len(ro.diagonal) == 1 and ro.rest == 0, name
     for name in ("ssd", "hgrn2", "rwkv6", "gated_deltanet"):
         assert not any(ro.diagonal for ro in rg.load_spec(name).matrix.readouts), name
+    # a mask that holds the state: the step's own term under the mask is still the rest's
+    ro, = masked_ssd.matrix.readouts
+    assert len(ro.diagonal) == 1 and ro.rest == 0
     sym = {s.name: s for s in two_terms_read_after.spec.symbols.values()}
     ro, = two_terms_read_after.matrix.readouts
     assert ro.diagonal == {sym["S"]} and sympy.expand(ro.rest - sym["q"] * sym["x"]) == 0
