@@ -10,6 +10,7 @@ expanded (``expand_groups``): as if it carried the batch-like axis the group axi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import mlx.core as mx
 
@@ -18,11 +19,11 @@ from .spec import Spec, Tensor
 
 def canonical_axes(spec: Spec, t: Tensor, with_time: bool | None = None) -> list:
     with_time = t.has_time if with_time is None else with_time
-    axes = list(spec.batch_axes)
-    if with_time:
-        axes.append(spec.time)
-    axes += [spec.lane, spec.state_axis or "__state__"]
-    return axes
+    return _axes(spec.batch_axes, spec.time, spec.lane, spec.state_axis, with_time)
+
+
+def _axes(batch_axes: tuple, time, lane, state_axis, with_time: bool) -> list:
+    return [*batch_axes, *([time] if with_time else []), lane, state_axis or "__state__"]
 
 
 def canonical_shape(spec: Spec, t: Tensor, sizes: dict, with_time: bool | None = None) -> tuple:
@@ -34,20 +35,28 @@ def declared_shape(t: Tensor, sizes: dict) -> tuple:
     return tuple(a if isinstance(a, int) else sizes[a] for a in t.axes)
 
 
+@functools.lru_cache(maxsize=512)
+def _canonical_plan(batch_axes: tuple, time, lane, state_axis, t: Tensor) -> tuple:
+    """``(permutation or None, source, components)`` of ``to_canonical``, decided once per
+    layout (a call builds its graph again on every step, and under ``mx.grad`` twice): where
+    each canonical axis comes from (an index into the permuted shape, None for an axis of size
+    1), and whether a component axis is split off last."""
+    named = [a for a in t.axes if isinstance(a, str)]
+    target = _axes(batch_axes, time, lane, state_axis, t.has_time)
+    present = [a for a in target if a in named]
+    components = [i for i, a in enumerate(t.axes) if isinstance(a, int)]
+    perm = [t.axes.index(a) for a in present] + components
+    source = tuple(present.index(a) if a in named else None for a in target)
+    return (None if perm == list(range(len(perm))) else tuple(perm)), source, bool(components)
+
+
 def to_canonical(spec: Spec, t: Tensor, x: mx.array) -> list:
     """Declared-layout array -> one canonical array per component."""
-    named = [a for a in t.axes if isinstance(a, str)]
-    target = canonical_axes(spec, t)
-    present = [a for a in target if a in named]
-    perm = [t.axes.index(a) for a in present]
-    comp_dim = [i for i, a in enumerate(t.axes) if isinstance(a, int)]
-    x = mx.transpose(x, perm + comp_dim)
-    shape = list(x.shape)
-    full = []
-    it = iter(shape[: len(present)])
-    for a in target:
-        full.append(next(it) if a in named else 1)
-    if comp_dim:
+    perm, source, components = _canonical_plan(spec.batch_axes, spec.time, spec.lane,
+                                               spec.state_axis, t)
+    x = x if perm is None else mx.transpose(x, perm)
+    full = [1 if i is None else x.shape[i] for i in source]
+    if components:
         x = mx.reshape(x, full + [t.components])
         return [x[..., c] for c in range(t.components)]
     return [mx.reshape(x, full)]

@@ -79,6 +79,7 @@ class MatrixKernels:
         self._factory = None
         self._kernels = LRU(32)
         self._cores = LRU(32)
+        self._shapes = LRU(64)
 
     def units(self) -> bool:
         return not (self.dialect.name == "cuda" and os.environ.get("MLX_ENABLE_TF32") == "0")
@@ -86,11 +87,16 @@ class MatrixKernels:
     def shape(self, C, K, V, inclusive, signed=False, units=None, diagonal=False):
         """The kernels' shape for these sizes, or None where no tiling fits group memory;
         ``units``: the products on the matrix units (None: as ``units()`` says)."""
-        memory, pads = self.dialect.shared_bytes, self.dialect.matrix_pads
-        t = tiles(C, K, V, memory, pads)
         units = self.units() if units is None else units
-        return None if t is None else MatrixKernelShape(C, K, V, *t, inclusive, units, signed,
-                                                        diagonal, state_tiles(C, K, V, memory, pads))
+        memory, pads = self.dialect.shared_bytes, self.dialect.matrix_pads
+
+        def build():  # decided once per call's sizes: a call builds its graph on each step
+            t = tiles(C, K, V, memory, pads)
+            return None if t is None else MatrixKernelShape(
+                C, K, V, *t, inclusive, units, signed, diagonal, state_tiles(C, K, V, memory, pads))
+
+        return self._shapes.get_or_build((C, K, V, inclusive, signed, units, diagonal, memory, pads),
+                                         build)
 
     @staticmethod
     def _text(dialect, shape, kind):

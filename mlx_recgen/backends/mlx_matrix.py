@@ -340,13 +340,17 @@ class MatrixForm(SequentialForm):
         one), for the factors evaluated per group."""
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
         out, grouped = {}, {}
+
+        def parts(t, x):
+            return {(t.name, c): part if t.has_time else mx.expand_dims(part, nb)
+                    for c, part in enumerate(to_canonical(spec, expanded(spec, t), x))}
+
         for t, x in zip(spec.inputs.values(), inputs):
             x = x.astype(mx.float32)
-            for c, part in enumerate(to_canonical(spec, expanded(spec, t), x)):
-                grouped[(t.name, c)] = part if t.has_time else mx.expand_dims(part, nb)
-            x = expand_groups(spec, t, x, sizes)
-            for c, part in enumerate(to_canonical(spec, expanded(spec, t), x)):
-                out[(t.name, c)] = part if t.has_time else mx.expand_dims(part, nb)
+            grouped.update(parts(t, x))
+            # without a group axis the expanded arrays are the same ones
+            out.update(parts(t, expand_groups(spec, t, x, sizes)) if expanded(spec, t) is not t
+                       else {k: v for k, v in grouped.items() if k[0] == t.name})
         return out, grouped
 
     def _factors(self, values: dict, grouped: dict, sizes: dict, ones):
