@@ -520,11 +520,13 @@ class Recurrence:
                 options["kernels"] = impl.name
             impl = rec._backend("mlx")
         options["schedule"] = kind
-        decode = None
+        decode = direct = None
         if impl.name == "mlx" and kind != "matrix" and sizes[self.spec.time] <= DECODE_MAX_STEPS:
             decode = impl.decoder(sizes, call.out_dtype)
+        if kind == "matrix" and "kernels" not in options:
+            direct = impl.matrix.direct(sizes, seg, call.out_dtype)
         return CallPlan(rec, impl, kind, seg, tuple(sorted(sizes.items())), call.out_dtype,
-                        tuple(sorted(options.items())), decode)
+                        tuple(sorted(options.items())), decode, direct)
 
     def reference(self, *args, initial_state=None, return_state=False, **kwargs):
         """The spec's traced expressions evaluated step by step on MLX arrays, independent of
@@ -583,8 +585,11 @@ class CallPlan:
     its VJP the backend's backward). ``decode``, on the mlx backend for calls of at most
     ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops
     (``mx.compile``d where the states are small), initial states in and final states out, no
-    checkpoints, which MLX's own transforms differentiate, vmap and compile. ``run`` takes the
-    decode path where there is one."""
+    checkpoints, which MLX's own transforms differentiate, vmap and compile. ``direct``, for the
+    matrix form in MLX ops alone (no kernels), is that form as plain MLX ops
+    (``MatrixForm.direct``): MLX's transforms take it as they take the decode path, and a VJP
+    reuses the forward's graph where the full path's traces and computes the forward again.
+    ``run`` takes the decode or the direct path where there is one."""
 
     recurrence: "Recurrence"
     backend: object
@@ -594,6 +599,7 @@ class CallPlan:
     out_dtype: mx.Dtype
     options: tuple
     decode: object = None
+    direct: object = None
 
     @functools.cached_property
     def function(self):
@@ -605,7 +611,7 @@ class CallPlan:
         """(outputs, final states) of the call on these checked arrays."""
         spec = self.recurrence.spec
         n_out, n_state = len(spec.outputs), len(spec.states)
-        results = (self.decode or self.function)(*inputs, *states)
+        results = (self.decode or self.direct or self.function)(*inputs, *states)
         return list(results[:n_out]), list(results[n_out:n_out + n_state])
 
     def package(self, outs, finals, return_state):

@@ -703,6 +703,25 @@ class MatrixForm(SequentialForm):
             return mx.compile(call) if key[2] else call
 
         return self._compiled_calls.get_or_build(key, build)
+
+    def direct(self, sizes, seg, out_dtype):
+        """``(*inputs, *initial states) -> (*outputs, *final states)`` as plain MLX ops, for a
+        form whose products are all MLX's (no kernels): MLX's own transforms differentiate it
+        from the graph the forward built, to any order, and vmap and compile it. Through the
+        custom function of the full path a VJP traces the forward again and computes it twice
+        when the value is used too (a training step's ``value_and_grad``)."""
+        if self.kernels is not None:
+            raise ValueError("the direct path of the matrix form takes its products in MLX ops; "
+                             "the kernels' cores have no forward-mode or batching rule")
+        n_in, n_out = len(self.rec.spec.inputs), len(self.rec.spec.outputs)
+
+        def run(*arrays):
+            outs, finals, _ = self.forward(list(arrays[:n_in]), list(arrays[n_in:]), sizes, seg,
+                                           out_dtype)
+            return (*outs, *finals)
+
+        return run
+
     def forward(self, inputs, states, sizes, seg, out_dtype):
         results = self._compiled(sizes, seg)(*inputs, *states)
         n_out = len(self.rec.spec.outputs)
