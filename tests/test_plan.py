@@ -154,3 +154,38 @@ def test_resident_memory_does_not_grow_per_length(monkeypatch):
         assert _resident_mb() - before < 4
     finally:
         mx.set_cache_limit(limit)
+
+
+def test_the_matrix_form_in_mlx_ops_runs_as_plain_ops(monkeypatch):
+    """On the mlx backend the matrix schedule's plan runs the form as plain MLX ops
+    (``CallPlan.direct``): a training step's ``value_and_grad`` takes the VJP from the
+    forward's graph, never the full path's backward (which traces and computes the forward
+    again), and its values and gradients are those of the full path. With the kernels of a
+    kernel backend the full path stays (the kernels' cores have no forward-mode rule)."""
+    from mlx_recgen.backends.mlx_matrix import MatrixForm
+
+    backwards = []
+    backward = MatrixForm.backward
+    monkeypatch.setattr(MatrixForm, "backward",
+                        lambda self, *a, **k: backwards.append(1) or backward(self, *a, **k))
+    gla = Recurrence(rg.load_spec("gla").spec)
+    q, k, v = (mx.random.normal((2, 20, 2, 4)) for _ in range(3))
+    g = mx.random.uniform(0.5, 1.0, (2, 20, 2))
+    w = mx.random.normal((2, 20, 2, 4))
+    plan = gla.plan(q, k, v, g, backend="mlx", schedule="matrix", seg=8)
+    assert plan.direct is not None and plan.decode is None
+
+    def loss(run):
+        return lambda q, k, v, g: mx.sum(run(q, k, v, g) * w)
+
+    direct = mx.value_and_grad(loss(lambda *a: gla(*a, backend="mlx", schedule="matrix", seg=8)),
+                               argnums=(0, 1, 2, 3))(q, k, v, g)
+    mx.eval(direct)
+    assert not backwards
+    full = mx.value_and_grad(loss(lambda *a: plan.function(*a, mx.zeros((2, 2, 4, 4)))[0]),
+                             argnums=(0, 1, 2, 3))(q, k, v, g)
+    mx.eval(full)
+    assert backwards
+    for a, b in zip([direct[0], *direct[1]], [full[0], *full[1]]):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-6).item()
+    assert gla.plan(q, k, v, g, backend="metal-sim", schedule="matrix", seg=8).direct is None
