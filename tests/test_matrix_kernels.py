@@ -148,33 +148,6 @@ def read_before(S, q, k, v, g, i):
     return {"y": y}
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_a_readout_before_the_update(backend, kernel_calls, readouts):
-    mx.random.seed(3)
-    b, L, H, K, V = 2, 37, 2, 8, 8
-    q, k, v = (mx.random.normal((b, L, H, n)) for n in (K, K, V))
-    # a gate of both signs: its sign is carried apart from log |g|
-    g = mx.random.uniform(0.5, 1.0, (b, L, H)) * mx.where(mx.random.uniform(shape=(b, L, H)) < 0.5,
-                                                         -1.0, 1.0)
-    S0 = mx.random.normal((b, H, K, V))
-
-    def ref(i, s):
-        q, k, v, g = i
-        S, ys = s[0], []
-        for t in range(L):
-            ys.append(mx.einsum("bhk,bhkv->bhv", q[:, t], S))
-            S = g[:, t][..., None, None] * S + k[:, t][..., None] * v[:, t][..., None, :]
-        return [mx.stack(ys, axis=1)], [S]
-
-    def run(i, s):
-        y, S = read_before(*i, initial_state=s[0], return_state=True, backend=backend,
-                           schedule="matrix", seg=16)
-        return [y], [S]
-
-    _assert_matches(run, ref, [q, k, v, g], [S0], tol=_tol(backend))
-    assert kernel_calls and not kernel_calls[0].inclusive
-
-
 @rg.recurrence(lane="V", state={"S": "B H K V"},
                inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H"},
                outputs={"y": "B L H V"})
@@ -187,29 +160,35 @@ def read_decayed(S, q, k, v, g, i):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_a_decayed_readout_without_its_own_step(backend, kernel_calls, readouts):
-    mx.random.seed(4)
+@pytest.mark.parametrize("decayed", [False, True], ids=["before the update", "decayed"])
+def test_a_readout_of_the_state_before_the_update(decayed, backend, kernel_calls, readouts):
+    """``y = Σ q S_{t-1}`` (neither the step's decay nor its added term: ``read_before``) and
+    ``y = Σ q g S_{t-1}`` (the decay, not the added term: ``read_decayed``)."""
+    mx.random.seed(3 + decayed)
     b, L, H, K, V = 2, 37, 2, 8, 8
     q, k, v = (mx.random.normal((b, L, H, n)) for n in (K, K, V))
-    g = mx.random.uniform(0.5, 1.0, (b, L, H))
+    # a gate of both signs: its sign is carried apart from log |g|
+    g = mx.random.uniform(0.5, 1.0, (b, L, H)) * mx.where(mx.random.uniform(shape=(b, L, H)) < 0.5,
+                                                         -1.0, 1.0)
     S0 = mx.random.normal((b, H, K, V))
+    rec = read_decayed if decayed else read_before
 
     def ref(i, s):
         q, k, v, g = i
         S, ys = s[0], []
         for t in range(L):
             gt = g[:, t][..., None, None]
-            ys.append(mx.einsum("bhk,bhkv->bhv", q[:, t], gt * S))
+            ys.append(mx.einsum("bhk,bhkv->bhv", q[:, t], gt * S if decayed else S))
             S = gt * S + k[:, t][..., None] * v[:, t][..., None, :]
         return [mx.stack(ys, axis=1)], [S]
 
     def run(i, s):
-        y, S = read_decayed(*i, initial_state=s[0], return_state=True, backend=backend,
-                            schedule="matrix", seg=16)
+        y, S = rec(*i, initial_state=s[0], return_state=True, backend=backend, schedule="matrix",
+                   seg=16)
         return [y], [S]
 
     _assert_matches(run, ref, [q, k, v, g], [S0], tol=_tol(backend))
-    assert kernel_calls and kernel_calls[0].inclusive and not kernel_calls[0].diagonal
+    assert kernel_calls and kernel_calls[0].inclusive == decayed and not kernel_calls[0].diagonal
 
 
 def test_exact_products_on_the_scalar_units(monkeypatch, kernel_calls):
