@@ -61,13 +61,23 @@ def _padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
+# floats of group memory a kernel keeps per step: log d, two partial sums, Λ, R, Λ_C - Λ, and
+# (signed) those of the signs
+PER_STEP_FLOATS = 11
+
+
+def _states_floats(C: int, SK: int, SV: int, pads=(0, 0)) -> int:
+    """Floats of group memory the states kernel declares for tiles of ``SK x SV``."""
+    cols = pads[1]
+    return C * (SK + cols) + C * (SV + cols) + SK * SV + PER_STEP_FLOATS * C
+
+
 def shared_floats(C: int, KT: int, VT: int, pads=(0, 0), state_tiles=STATE_TILES[-1]) -> dict:
     """Floats of group memory each kernel declares (the states kernel with its own tiles,
     ``state_tiles``); ``pads``: ``Dialect.matrix_pads``."""
     rows, cols = pads
-    per_step = 11 * C  # log d, two partial sums, Λ, R, Λ_C - Λ, and (signed) those of the signs
-    SK, SV = state_tiles
-    return {"states": C * (SK + cols) + C * (SV + cols) + SK * SV + per_step,
+    per_step = PER_STEP_FLOATS * C
+    return {"states": _states_floats(C, *state_tiles, pads),
             "outputs": max(2 * C * (KT + rows), C * (VT + cols)) + C * (C + rows)
             + KT * (VT + cols) + C * VT + per_step}
 
@@ -83,11 +93,12 @@ def tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
 
 
 def state_tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
-    """The states kernel's ``(K tile, V tile)``: the largest of ``STATE_TILES`` no larger than
-    the state (rounded up to 16) whose kernel fits ``shared_bytes`` of group memory."""
-    for SK, SV in STATE_TILES:
-        if SK <= max(_padded(K), STATE_TILES[-1][0]) and SV <= max(_padded(V), STATE_TILES[-1][1]) \
-                and shared_floats(C, 16, 16, pads, (SK, SV))["states"] * 4 <= shared_bytes:
+    """The states kernel's ``(K tile, V tile)``: the first of ``STATE_TILES`` no larger than the
+    state (rounded up to 16) whose kernel fits ``shared_bytes`` of group memory, else the last
+    (the smallest, which every dialect's group memory holds)."""
+    for SK, SV in STATE_TILES[:-1]:
+        if SK <= _padded(K) and SV <= _padded(V) and \
+                _states_floats(C, SK, SV, pads) * 4 <= shared_bytes:
             return SK, SV
     return STATE_TILES[-1]
 
