@@ -182,7 +182,7 @@ class MatrixKernels:
         if sign is not None:
             e_row = e_row * _chunk_signs(shape, chunks, sign)[0]
         W = self.weights(shape, cc @ _tr(ac), log_d, sign)
-        # the sum in the product's epilogue: MLX's compile does not fuse within the core
+        # the sum in the last product's epilogue, not a pass of its own over the result
         return chunks.join(mx.addmm(e_row * (cc @ starts), W, bc))
 
     def weights(self, shape, scores, log_d, sign, d_scores=None):
