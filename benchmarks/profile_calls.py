@@ -1,0 +1,94 @@
+"""Where a call's GPU time goes, kernel by kernel: one forward and one forward+backward of a
+bundled spec (on the ``cuda`` backend unless ``--backend`` says otherwise), after warm-ups, with a marker kernel (an ``arcsinh`` of a
+small array) launched before each phase, to run under Nsight Compute; then the same script
+splits ncu's CSV at the markers and sums the kernels of each phase by name::
+
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
+        python benchmarks/profile_calls.py gla --shape B=8 L=4096 H=16 K=64 V=64 > calls.csv
+    python benchmarks/profile_calls.py --split calls.csv
+
+The inputs are ``bench_peers.py``'s (``make_inputs``); the loss of the forward+backward is the
+sum of the outputs weighted by a random array, as there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+
+
+def run(args):
+    import mlx.core as mx
+    import numpy as np
+
+    import mlx_recgen as rg
+    from bench_peers import make_inputs
+
+    dtype = getattr(mx, args.dtype)
+    shape = {k: int(v) for k, v in (s.split("=") for s in args.shape)}
+    rec = rg.load_spec(args.spec)
+    rng = np.random.default_rng(0)
+    xs = [mx.array(x).astype(dtype) for x in make_inputs(args.spec, shape, rng)]
+    call = lambda *a: rec(*a, backend=args.backend, schedule=args.schedule)  # noqa: E731
+    w = mx.random.normal(call(*xs).shape).astype(dtype)
+    grad = mx.grad(lambda *a: mx.sum(call(*a) * w), argnums=tuple(range(len(xs))))
+    marker = mx.ones((7,))
+
+    def phase(f):
+        mx.eval(mx.arcsinh(marker))
+        mx.synchronize()
+        mx.eval(f())
+        mx.synchronize()
+
+    for _ in range(args.warmups):
+        mx.eval(grad(*xs), call(*xs))
+    mx.synchronize()
+    phase(lambda: call(*xs))
+    phase(lambda: grad(*xs))
+    mx.eval(mx.arcsinh(marker))
+
+
+def split(path, top):
+    """Per phase: the count and total time of its kernels, then the kernels by name."""
+    rows = csv.DictReader(line for line in open(path) if line.startswith('"'))
+    phases, current = [], None
+    for r in rows:
+        name = r["Kernel Name"]
+        if "ArcSinh" in name:
+            current = collections.OrderedDict()
+            phases.append(current)
+            continue
+        if current is None or r["Metric Name"] != "gpu__time_duration.sum":
+            continue
+        value = float(r["Metric Value"].replace(",", ""))
+        us = value * {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+                      "msecond": 1e3}[r["Metric Unit"]]
+        count, total = current.get(name[:90], (0, 0.0))
+        current[name[:90]] = (count + 1, total + us)
+    for label, kernels in zip(("forward", "forward+backward"), phases):
+        total = sum(t for _, t in kernels.values())
+        print(f"== {label}: {sum(c for c, _ in kernels.values())} kernels, {total:.0f} us")
+        for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"{us:9.1f} us {count:3d}x  {name}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("spec", nargs="?", default="gla")
+    p.add_argument("--shape", nargs="+", default=["B=8", "L=4096", "H=16", "K=64", "V=64"])
+    p.add_argument("--schedule", default="matrix")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--warmups", type=int, default=2)
+    p.add_argument("--split", metavar="CSV", help="sum the kernels of ncu's CSV by phase")
+    p.add_argument("--top", type=int, default=25, help="kernels listed per phase")
+    args = p.parse_args()
+    if args.split:
+        split(args.split, args.top)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
