@@ -30,7 +30,10 @@ def run(args):
     rec = rg.load_spec(args.spec)
     rng = np.random.default_rng(0)
     xs = [mx.array(x).astype(dtype) for x in make_inputs(args.spec, shape, rng)]
-    call = lambda *a: rec(*a, backend=args.backend, schedule=args.schedule)  # noqa: E731
+
+    def call(*a):
+        return rec(*a, backend=args.backend, schedule=args.schedule)
+
     w = mx.random.normal(call(*xs).shape).astype(dtype)
     grad = mx.grad(lambda *a: mx.sum(call(*a) * w), argnums=tuple(range(len(xs))))
     marker = mx.ones((7,))

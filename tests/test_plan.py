@@ -190,7 +190,9 @@ def test_the_matrix_form_in_mlx_ops_runs_as_plain_ops(monkeypatch):
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-6).item()
     assert gla.plan(q, k, v, g, backend="metal-sim", schedule="matrix", seg=8).direct is None
     # MLX's own vmap and compile of the plain ops, against the sequential schedule
-    call = lambda s: (lambda *a: gla(*a, backend="mlx", schedule=s, seg=8))  # noqa: E731
+    def call(schedule):
+        return lambda *a: gla(*a, backend="mlx", schedule=schedule, seg=8)
+
     stacked = [mx.stack([x, -x]) for x in (q, k, v)] + [mx.stack([g, g[::-1]])]
     want = mx.vmap(call("sequential"))(*stacked)
     assert mx.allclose(mx.vmap(call("matrix"))(*stacked), want, rtol=1e-4, atol=1e-5).item()

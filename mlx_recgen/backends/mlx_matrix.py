@@ -347,10 +347,11 @@ class MatrixForm(SequentialForm):
 
         for t, x in zip(spec.inputs.values(), inputs):
             x = x.astype(mx.float32)
-            grouped.update(parts(t, x))
+            given = parts(t, x)
+            grouped.update(given)
             # without a group axis the expanded arrays are the same ones
-            out.update(parts(t, expand_groups(spec, t, x, sizes)) if expanded(spec, t) is not t
-                       else {k: v for k, v in grouped.items() if k[0] == t.name})
+            out.update(given if expanded(spec, t) is t else
+                       parts(t, expand_groups(spec, t, x, sizes)))
         return out, grouped
 
     def _factors(self, values: dict, grouped: dict, sizes: dict, ones):
@@ -709,11 +710,9 @@ class MatrixForm(SequentialForm):
         form whose products are all MLX's (no kernels): MLX's own transforms differentiate it
         from the graph the forward built, to any order, and vmap and compile it. Through the
         custom function of the full path a VJP traces the forward again and computes it twice
-        when the value is used too (a training step's ``value_and_grad``)."""
-        if self.kernels is not None:
-            raise ValueError("the direct path of the matrix form takes its products in MLX ops; "
-                             "the kernels' cores have no forward-mode or batching rule")
-        n_in, n_out = len(self.rec.spec.inputs), len(self.rec.spec.outputs)
+        when the value is used too (a training step's ``value_and_grad``). The kernel backends
+        keep the full path: their kernels' cores have no forward-mode or batching rule."""
+        n_in = len(self.rec.spec.inputs)
 
         def run(*arrays):
             outs, finals, _ = self.forward(list(arrays[:n_in]), list(arrays[n_in:]), sizes, seg,
