@@ -353,11 +353,11 @@ class Recurrence:
             return self._functions[key]
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
         kernel = backend.name != "mlx"
-        no_vmap = _vmap_guard(backend.name) if kernel else None
+        no_vmap = vmap_guard(backend.name) if kernel else None
 
         @mx.custom_function
         def fn(*arrays):
-            arrays = _opaque(arrays, backend.name, no_vmap)
+            arrays = opaque(arrays, backend.name, no_vmap)
             inputs, states = list(arrays[:n_in]), list(arrays[n_in:])
             outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype, **options)
             return (*outs, *finals, *residuals)
@@ -523,8 +523,8 @@ class Recurrence:
         decode = direct = None
         if impl.name == "mlx" and kind != "matrix" and sizes[self.spec.time] <= DECODE_MAX_STEPS:
             decode = impl.decoder(sizes, call.out_dtype)
-        if kind == "matrix" and "kernels" not in options:
-            direct = impl.matrix.direct(sizes, seg, call.out_dtype)
+        if kind == "matrix":
+            direct = impl.matrix_on(options.get("kernels")).direct(sizes, seg, call.out_dtype)
         return CallPlan(rec, impl, kind, seg, tuple(sorted(sizes.items())), call.out_dtype,
                         tuple(sorted(options.items())), decode, direct)
 
@@ -586,10 +586,11 @@ class CallPlan:
     ``DECODE_MAX_STEPS`` steps, is the decode path: the steps as plain MLX ops
     (``mx.compile``d where the states are small), initial states in and final states out, no
     checkpoints, which MLX's own transforms differentiate, vmap and compile. ``direct``, for the
-    matrix form in MLX ops alone (no kernels), is that form as plain MLX ops
-    (``MatrixForm.direct``): MLX's transforms take it as they take the decode path, and a VJP
-    reuses the forward's graph where the full path's traces and computes the forward again.
-    ``run`` takes the decode or the direct path where there is one."""
+    matrix schedule, is its form as plain MLX ops around the kernels' core where kernels run
+    (``MatrixForm.direct``): MLX's transforms take it as they take the decode path (the core
+    has a VJP, a forward-mode rule and a clear refusal of vmap), and a VJP reuses the forward's
+    graph where the full path's traces and computes the forward again. ``run`` takes the
+    decode or the direct path where there is one."""
 
     recurrence: "Recurrence"
     backend: object
@@ -641,7 +642,7 @@ def _refuse(message):
     return refuse
 
 
-def _opaque(arrays, backend, no_vmap=None):
+def opaque(arrays, backend, no_vmap=None):
     """The arguments as the body of a custom function should see them. MLX's jvp and vmap walk
     into a custom function's body (its outputs are computed there): the stop-gradient keeps jvp
     on the custom rule (a kernel or a compiled step has no jvp), and ``no_vmap`` meets vmap
@@ -654,7 +655,7 @@ def _opaque(arrays, backend, no_vmap=None):
     return list(no_vmap(*arrays)) if no_vmap is not None else arrays
 
 
-def _vmap_guard(backend):
+def vmap_guard(backend):
     @mx.custom_function
     def guard(*arrays):
         return arrays
@@ -684,7 +685,7 @@ def first_order_only(backward, backend: str):
 def _first_order_only(spec, backend, n_in, n_out, n_state, sizes, seg, schedule):
     """A kernel backend's backward as a custom function whose own derivatives raise."""
     def backward(*arrays):
-        arrays = _opaque(arrays, backend.name)
+        arrays = opaque(arrays, backend.name)
         inputs, states = list(arrays[:n_in]), list(arrays[n_in:n_in + n_state])
         d_out, d_fin = list(arrays[-n_out - n_state:-n_state]), list(arrays[-n_state:])
         residuals = list(arrays[n_in + n_state:-n_out - n_state])

@@ -285,6 +285,39 @@ def test_the_switch(monkeypatch, kernel_calls):
     assert mk.enabled("metal") and mk.enabled("metal-sim") and mk.enabled("cuda")
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("inclusive,signed,diagonal", [(False, False, False), (True, False, False),
+                                                       (False, True, False), (True, True, True)])
+def test_the_cores_mlx_op_form(backend, inclusive, signed, diagonal):
+    """``core_in_ops``, the MLX-op form of the kernels' core that its forward-mode rule
+    differentiates, gives the kernels' readouts, final state and chunk starts (over a partial
+    last chunk, decays of both signs), and the core's forward-mode rule passes each tangent to
+    its own argument (the sign has none)."""
+    kernels = mk.MatrixKernels(backend)
+    shape = kernels.shape(16, 8, 16, inclusive, signed, units=False, diagonal=diagonal)
+    mx.random.seed(5)
+    I, T = 3, 37
+    c, a = mx.random.normal((I, T, 8)), mx.random.normal((I, T, 8))
+    b = mx.random.normal((I, T, 16))
+    log_d = mx.log(mx.random.uniform(0.3, 1.0, (I, T)))
+    sign = mx.where(mx.random.uniform(shape=(I, T)) < 0.3, -1.0, 1.0)
+    init = mx.random.normal((I, 8, 16))
+    primals = [c, a, b, log_d, sign, init]
+    got = kernels.core(shape)(*primals)
+    want = mk.core_in_ops(shape, c, a, b, log_d, sign if signed else None, init)
+    for x, y in zip(got, want):
+        assert rel_err(x, y) < _tol(backend)
+    tangents = [mx.random.normal(x.shape) for x in primals]
+    _, jvp = mx.jvp(kernels.core(shape), primals, tangents)
+
+    def values(c, a, b, log_d, init):
+        return mk.core_in_ops(shape, c, a, b, log_d, sign if signed else None, init)
+
+    _, want = mx.jvp(values, [c, a, b, log_d, init], [*tangents[:4], tangents[5]])
+    for x, y in zip(jvp, want):
+        assert rel_err(x, y) < _tol(backend)
+
+
 def test_forward_mode_and_second_order_through_the_kernels(kernel_calls, monkeypatch):
     """``mx.jvp`` (the tangent recurrence) through the kernels' core agrees with the sequential
     schedule on backend='mlx'. A gradient of a gradient raises there, over one chunk or several

@@ -13,6 +13,8 @@ from mlx_recgen.backends import mlx_ops
 from mlx_recgen.function import PLAN_CACHE_SIZE, CallPlan, Recurrence
 from mlx_recgen.memo import LRU
 
+from conftest import KERNEL_BACKENDS
+
 
 def _rglru():
     return Recurrence(rg.load_spec("rglru").spec)  # a fresh recurrence: empty caches
@@ -156,12 +158,13 @@ def test_resident_memory_does_not_grow_per_length(monkeypatch):
         mx.set_cache_limit(limit)
 
 
-def test_the_matrix_form_in_mlx_ops_runs_as_plain_ops(monkeypatch):
-    """On the mlx backend the matrix schedule's plan runs the form as plain MLX ops
-    (``CallPlan.direct``): a training step's ``value_and_grad`` takes the VJP from the
-    forward's graph, never the full path's backward (which traces and computes the forward
-    again), and its values and gradients are those of the full path. With the kernels of a
-    kernel backend the full path stays (the kernels' cores have no forward-mode rule)."""
+@pytest.mark.parametrize("backend", ["mlx", *KERNEL_BACKENDS])
+def test_the_matrix_form_runs_as_plain_ops(backend, monkeypatch):
+    """The matrix schedule's plan runs the form as plain MLX ops (``CallPlan.direct``), around
+    the kernels' core on a kernel backend: a training step's ``value_and_grad`` takes the VJP
+    from the forward's graph, never the full path's backward (which traces and computes the
+    forward again), and its values and gradients are those of the full path. MLX's own vmap
+    and compile take the plain ops; through the kernels vmap raises, clearly."""
     from mlx_recgen.backends.mlx_matrix import MatrixForm
 
     backwards = []
@@ -172,14 +175,16 @@ def test_the_matrix_form_in_mlx_ops_runs_as_plain_ops(monkeypatch):
     q, k, v = (mx.random.normal((2, 20, 2, 4)) for _ in range(3))
     g = mx.random.uniform(0.5, 1.0, (2, 20, 2))
     w = mx.random.normal((2, 20, 2, 4))
-    plan = gla.plan(q, k, v, g, backend="mlx", schedule="matrix", seg=8)
+    plan = gla.plan(q, k, v, g, backend=backend, schedule="matrix", seg=8)
     assert plan.direct is not None and plan.decode is None
 
     def loss(run):
         return lambda q, k, v, g: mx.sum(run(q, k, v, g) * w)
 
-    direct = mx.value_and_grad(loss(lambda *a: gla(*a, backend="mlx", schedule="matrix", seg=8)),
-                               argnums=(0, 1, 2, 3))(q, k, v, g)
+    def call(schedule, on=backend):
+        return lambda *a: gla(*a, backend=on, schedule=schedule, seg=8)
+
+    direct = mx.value_and_grad(loss(call("matrix")), argnums=(0, 1, 2, 3))(q, k, v, g)
     mx.eval(direct)
     assert not backwards
     full = mx.value_and_grad(loss(lambda *a: plan.function(*a, mx.zeros((2, 2, 4, 4)))[0]),
@@ -188,12 +193,12 @@ def test_the_matrix_form_in_mlx_ops_runs_as_plain_ops(monkeypatch):
     assert backwards
     for a, b in zip([direct[0], *direct[1]], [full[0], *full[1]]):
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-6).item()
-    assert gla.plan(q, k, v, g, backend="metal-sim", schedule="matrix", seg=8).direct is None
-    # MLX's own vmap and compile of the plain ops, against the sequential schedule
-    def call(schedule):
-        return lambda *a: gla(*a, backend="mlx", schedule=schedule, seg=8)
-
+    # vmap and compile of the plain ops, against the sequential schedule
     stacked = [mx.stack([x, -x]) for x in (q, k, v)] + [mx.stack([g, g[::-1]])]
+    if backend != "mlx":  # the kernels have no batching rule (the simulator says so itself)
+        with pytest.raises((NotImplementedError, RuntimeError), match="vmap"):
+            mx.eval(mx.vmap(call("matrix"))(*stacked))
+        return
     want = mx.vmap(call("sequential"))(*stacked)
     assert mx.allclose(mx.vmap(call("matrix"))(*stacked), want, rtol=1e-4, atol=1e-5).item()
     assert mx.allclose(mx.compile(call("matrix"))(q, k, v, g), want[0], rtol=1e-4,

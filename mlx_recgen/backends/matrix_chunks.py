@@ -51,4 +51,33 @@ def parity(sign, axis):
     return 1.0 - 2.0 * mx.remainder(flips, 2.0)
 
 
-__all__ = ["MatrixChunks", "causal_weights", "causal", "parity"]
+def carry(S0, whole, sign, U):
+    """The states at every chunk's start and after the last chunk, from the initial state
+    ``S0`` ``(*batch, K, V)``, each chunk's ``log |decay|`` ``whole`` ``(*batch, nc, 1 or K)``
+    and sign (or None) and its end state from zero ``U`` ``(*batch, nc, K, V)``: the same
+    causal weights one level up, ``S_start[c] = Σ_{c' < c} d(c'+1..c-1) U[c'] + d(0..c-1) S0``,
+    as one product over chunks (no loop over them)."""
+    vector = whole.shape[-1] > 1
+    weights = causal_weights(whole)  # (*batch, nc, nc, 1 or K)
+    before = mx.exp(mx.cumsum(whole, axis=-2, inclusive=False))  # d(0..c-1)
+    after = mx.exp(mx.cumsum(whole, axis=-2, reverse=True, inclusive=False))  # d(c+1..)
+    total = mx.exp(mx.sum(whole, axis=-2))
+    if sign is not None:  # sign(d(c'+1..c-1)) = parity(..c-1) parity(..c')
+        sign = sign[..., 0, :]
+        par = parity(sign, axis=-2)
+        parity_ex = par * sign
+        U = U * par[..., :, :, None]
+        before, after = before * parity_ex, after * par[..., -1:, :]
+        total = total * par[..., -1, :]
+        weights = weights * parity_ex[..., :, None, :]
+    if vector:  # a product per state element: K to the batch
+        mixed = mx.swapaxes(mx.moveaxis(weights, -1, -3) @ mx.moveaxis(U, -2, -3), -3, -2)
+    else:
+        nc, K, V = U.shape[-3:]
+        mixed = (weights[..., 0] @ U.reshape(*U.shape[:-2], K * V)).reshape(U.shape)
+    starts = before[..., :, :, None] * S0[..., None, :, :] + mixed
+    final = total[..., :, None] * S0 + mx.sum(after[..., :, :, None] * U, axis=-3)
+    return starts, final
+
+
+__all__ = ["MatrixChunks", "carry", "causal_weights", "causal", "parity"]

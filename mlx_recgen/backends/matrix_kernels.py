@@ -32,13 +32,13 @@ import os
 
 import mlx.core as mx
 
-from ..function import first_order_only
+from ..function import first_order_only, opaque, vmap_guard
 from ..memo import LRU
 from ..render.dialects import DIALECTS
 from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, state_tiles, tiles
 from ..render.names import kernel_name
 from .kernels import kernel_factory
-from .matrix_chunks import MatrixChunks, parity
+from .matrix_chunks import MatrixChunks, carry, causal_weights, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
 # verifies is what a Mac runs) and on CUDA, where on an H100 they beat the same form on MLX's
@@ -219,8 +219,14 @@ class MatrixKernels:
         return self._cores.get_or_build(shape, lambda: self._build_core(shape))
 
     def _build_core(self, shape):
+        no_vmap = vmap_guard(self.backend)
+
         @mx.custom_function
         def core(c, a, b, log_d, sign, init):
+            # jvp and vmap walk into a custom function's body: they meet the stop-gradient
+            # and the guard there (``function.opaque``), never a kernel
+            c, a, b, log_d, sign, init = opaque([c, a, b, log_d, sign, init], self.backend,
+                                                no_vmap)
             sign = sign if shape.signed else None
             starts, last = self.states(shape, a, b, log_d, sign, init)
             return self.outputs(shape, c, a, b, log_d, sign, starts), last, starts
@@ -238,6 +244,20 @@ class MatrixKernels:
         def core_vjp(primals, cotangents, outputs):
             c, a, b, log_d, sign, _ = primals
             return backward(c, a, b, log_d, sign, cotangents[0], cotangents[1], outputs[2])
+
+        @core.jvp
+        def core_jvp(primals, tangents):
+            # forward mode through the same chunk form in MLX ops (``core_in_ops``); the sign
+            # is piecewise constant: no tangent
+            sign = primals[4]
+            tangents = [mx.zeros_like(p) if t is None else t
+                        for p, t in zip(primals, tangents)]
+
+            def values(c, a, b, log_d, init):
+                return core_in_ops(shape, c, a, b, log_d, sign, init)
+
+            primals = [*primals[:4], primals[5]]
+            return mx.jvp(values, primals, [*tangents[:4], tangents[5]])[1]
 
         return core
 
@@ -265,6 +285,31 @@ class MatrixKernels:
         _, (d_lam,) = mx.vjp(lambda lam: _exponentials(lam, shape.inclusive), [lam], cotangents)
         return (chunks.join(dc), chunks.join(da), chunks.join(db),
                 chunks.join(d_lam)[..., 0] + d_log_d)
+
+
+def core_in_ops(shape, c, a, b, log_d, sign, init):
+    """What the kernels' core computes (``MatrixKernels.core``), in MLX ops: readouts
+    ``(I, T, V)``, the final state and the state entering every chunk, from the same chunk
+    products and exponents (``_exponentials``, ``matrix_chunks.causal_weights`` and
+    ``carry``). The core's forward-mode rule differentiates it; its VJP is the kernels'."""
+    chunks = MatrixChunks(c.shape[1], shape.C, 1)
+    cc, ac, bc = (chunks.cut(x) for x in (c, a, b))
+    lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
+    e_row, e_end, _ = _exponentials(lam, shape.inclusive)
+    # M[t, j] = exp(R_t - Λ_j): the range (j, t), or (j, t] for a readout with its step's decay
+    M = causal_weights(lam)[..., 0] * (mx.exp(lam) if shape.inclusive else 1.0)
+    whole = mx.sum(lam, axis=-2)  # (I, nc, 1)
+    chunk_sign = None
+    if shape.signed:
+        s_row, s_end, s_whole = _chunk_signs(shape, chunks, sign)
+        par = parity(chunks.cut(sign[..., None]), axis=-2)
+        e_row, e_end, M = e_row * s_row, e_end * s_end, M * s_row * _tr(par)
+        chunk_sign = s_whole  # (I, nc, 1, 1): the sign of each chunk's whole decay
+    if shape.diagonal:
+        M = M + mx.eye(shape.C)
+    starts, last = carry(init, whole, chunk_sign, _tr(ac) @ (e_end * bc))
+    y = e_row * (cc @ starts) + ((cc @ _tr(ac)) * M) @ bc
+    return chunks.join(y), last, starts
 
 
 def _tr(x):
