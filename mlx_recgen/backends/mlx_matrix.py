@@ -312,12 +312,12 @@ class MatrixForm(SequentialForm):
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
         out, grouped = {}, {}
 
-        def parts(t, x):
-            return {(t.name, c): part if t.has_time else mx.expand_dims(part, nb)
+        def parts(t, x):  # converted last: one pass moves and converts a half-precision part
+            return {(t.name, c): (part if t.has_time else mx.expand_dims(part, nb)).astype(
+                        mx.float32)
                     for c, part in enumerate(to_canonical(spec, expanded(spec, t), x))}
 
         for t, x in zip(spec.inputs.values(), inputs):
-            x = x.astype(mx.float32)
             given = parts(t, x)
             grouped.update(given)
             # without a group axis the expanded arrays are the same ones
