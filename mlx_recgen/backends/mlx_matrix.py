@@ -79,6 +79,14 @@ def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> 
     return Program(statements, frozenset(ir.vector))
 
 
+def _as_fp32(x):
+    """``x`` in fp32. A half-precision array is moved into its layout in its own dtype first:
+    MLX converts a transposed array keeping its strides, and moving the converted array after
+    would move twice the bytes (GLA B8 H16 L4096 bf16 on an H100: the forward's kernels 1.87 ->
+    1.76 ms)."""
+    return x if x.dtype == mx.float32 else mx.contiguous(x).astype(mx.float32)
+
+
 @mx.custom_function
 def unit_lower_inverse(A):
     """``(I - A)⁻¹`` for ``A`` strictly lower triangular, ``(..., n, n)``: block forward
@@ -312,9 +320,8 @@ class MatrixForm(SequentialForm):
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
         out, grouped = {}, {}
 
-        def parts(t, x):  # converted last: one pass moves and converts a half-precision part
-            return {(t.name, c): (part if t.has_time else mx.expand_dims(part, nb)).astype(
-                        mx.float32)
+        def parts(t, x):
+            return {(t.name, c): _as_fp32(part if t.has_time else mx.expand_dims(part, nb))
                     for c, part in enumerate(to_canonical(spec, expanded(spec, t), x))}
 
         for t, x in zip(spec.inputs.values(), inputs):
