@@ -12,6 +12,8 @@ traces and computes the forward again). One training step's ``value_and_grad`` o
 
     python benchmarks/bench_matrix_paths.py --spec gla --backend cuda
 
+``--spec`` names a bundled spec or ``bench_peers.py``'s ``gated_delta``.
+
 The two paths alternate (direct, full, direct, full); the table takes each one's best run, and
 the largest relative difference between their values and gradients.
 """
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx_recgen as rg  # noqa: E402
 import mlx_recgen.function as F  # noqa: E402
-from bench_peers import make_inputs  # noqa: E402
+from bench_peers import gated_delta, make_inputs  # noqa: E402
 
 STEPS = 10
 _plan = F.Recurrence._make_plan
@@ -57,7 +59,8 @@ def _per_step(f, reps=5):
 def measure(spec, shape, dtype, backend, path):
     F.Recurrence._make_plan = _plan if path == "direct" else _full_path
     try:
-        rec = rg.Recurrence(rg.load_spec(spec).spec)  # fresh: no plan kept from the other path
+        declared = gated_delta if spec == "gated_delta" else rg.load_spec(spec)
+        rec = rg.Recurrence(declared.spec)  # fresh: no plan kept from the other path
         xs = [mx.array(x).astype(dtype) for x in make_inputs(spec, shape, np.random.default_rng(0))]
 
         def call(*a):
