@@ -22,6 +22,9 @@ differentiates it; the core's VJP is
   ``exp(R)`` and ``exp(Λ_C - Λ)``, which MLX's VJP takes back onto ``log d`` through their
   sums, as that of ``exp(Λ_C)``.
 
+Its forward-mode rule differentiates the same chunk form in MLX ops (``core_in_ops``); a
+second derivative and ``mx.vmap`` raise (the kernels have neither).
+
 Kernels are rendered by ``render/matrix.py`` and built once per (shape, flags); the chunk the
 kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most 64.
 """

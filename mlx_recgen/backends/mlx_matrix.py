@@ -688,11 +688,13 @@ class MatrixForm(SequentialForm):
         the kernels' core, ``MatrixKernels.core``, where kernels run): MLX's own transforms
         differentiate it from the graph the forward built, and compile it. Through the custom
         function of the full path a VJP traces the forward again and computes it twice when
-        the value is used too (a training step's ``value_and_grad``); an H100 ran GLA's
-        training step (``value_and_grad``, B8 H16 L4096 K=V=64 fp32) in 4.8 against 6.0 ms
-        this way, with 4.5 against 5.6 GB of peak memory. With MLX ops alone, derivatives of
-        any order and vmap are MLX's; through the core, forward mode runs its MLX-op form
-        (``core_in_ops``), while a second derivative and vmap raise (the kernels have none)."""
+        the value is used too (a training step's ``value_and_grad``): on an H100 GLA's step
+        at B8 H16 L4096 K=V=64 fp32 took 6.3 against 8.6 ms this way (5.1 against 6.4 ms
+        under ``mx.compile``), with 4.5 against 5.6 GB of peak memory
+        (benchmarks/results/bench-matrix-direct-H100-2026-11-25.md). With MLX ops alone,
+        derivatives of any order and vmap are MLX's; through the core, forward mode runs its
+        MLX-op form (``core_in_ops``), while a second derivative and vmap raise (the kernels
+        have none)."""
         n_in = len(self.rec.spec.inputs)
 
         def run(*arrays):
