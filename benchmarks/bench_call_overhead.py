@@ -7,7 +7,8 @@
   of RG-LRU and gated DeltaNet on the requested backends.
 * Decode step: gated DeltaNet, B1 H16 K=V=128, one step with ``initial_state`` and
   ``return_state``, against the same step written in MLX ops (its state fed back, as a
-  decoder does); the ratio of the medians.
+  decoder does); the ratio of the medians. Then the same step in mlx-lm's layout against
+  mlx-lm's ``gated_delta_ops`` and MLX's ``mx.fast.gated_delta_update``.
 * Resident growth: RG-LRU forward (B2 D64) at 200 distinct sequence lengths after 20 others:
   resident set size before and after, with MLX's buffer cache on (its default) and off
   (``mx.set_cache_limit(0)``: only what the compiler keeps), and the size of MLX's cache.
@@ -108,26 +109,13 @@ def gated_deltanet_step_ops(q, k, v, g, beta, S):
     return mx.sum(q[:, 0, :, :, None] * S, axis=2)[:, None], S
 
 
-def decode_step(repeats):
-    rec = rg.load_spec("gated_deltanet")
-    B, H, K, V = 1, 16, 128, 128
-    q = mx.random.normal((B, 1, H, K))
-    k = mx.random.normal((B, 1, H, K)) / K ** 0.5
-    v = mx.random.normal((B, 1, H, V))
-    g, beta = -mx.random.uniform(shape=(B, 1, H)), mx.random.uniform(shape=(B, 1, H))
-    S0 = mx.random.normal((B, H, K, V))
-    mx.eval(q, k, v, g, beta, S0)
-    ours = lambda S: rec(q, k, v, g, beta, initial_state=S, return_state=True,  # noqa: E731
-                         backend="mlx")
-    ops = lambda S: gated_deltanet_step_ops(q, k, v, g, beta, S)  # noqa: E731
-    y1, S1 = ours(S0)
-    y2, S2 = ops(S0)
-    error = (mx.max(mx.abs(y1 - y2)) / mx.max(mx.abs(y2))).item()
-    times = {"recgen": [], "ops": []}
-    state = {"recgen": S0, "ops": S0}
+def _time_steps(steps: dict, S0, repeats):
+    """Per step function (``S -> (y, S)``): the best of 3 rounds of the median Python and total
+    time (µs) of a step fed its own state, after 10 warm-up steps; the functions alternate."""
+    times = {name: [] for name in steps}
     for _ in range(3):
-        for name, f in (("recgen", ours), ("ops", ops)):
-            S = state[name]
+        for name, f in steps.items():
+            S = S0
             for _ in range(10):
                 y, S = f(S)
                 mx.eval(y, S)
@@ -140,10 +128,64 @@ def decode_step(repeats):
                 t2 = time.perf_counter()
                 builds.append(t1 - t0)
                 totals.append(t2 - t0)
-            state[name] = S0  # the state of a long run drifts; restart from S0
             times[name].append((statistics.median(builds) * 1e6, statistics.median(totals) * 1e6))
-    best = {n: min(t, key=lambda x: x[1]) for n, t in times.items()}
-    return best, error
+    return {n: min(t, key=lambda x: x[1]) for n, t in times.items()}
+
+
+def decode_step(repeats):
+    rec = rg.load_spec("gated_deltanet")
+    B, H, K, V = 1, 16, 128, 128
+    q = mx.random.normal((B, 1, H, K))
+    k = mx.random.normal((B, 1, H, K)) / K ** 0.5
+    v = mx.random.normal((B, 1, H, V))
+    g, beta = -mx.random.uniform(shape=(B, 1, H)), mx.random.uniform(shape=(B, 1, H))
+    S0 = mx.random.normal((B, H, K, V))
+    mx.eval(q, k, v, g, beta, S0)
+
+    def ours(S):
+        return rec(q, k, v, g, beta, initial_state=S, return_state=True, backend="mlx")
+
+    def ops(S):
+        return gated_deltanet_step_ops(q, k, v, g, beta, S)
+
+    y1, S1 = ours(S0)
+    y2, S2 = ops(S0)
+    error = (mx.max(mx.abs(y1 - y2)) / mx.max(mx.abs(y2))).item()
+    return _time_steps({"recgen": ours, "ops": ops}, S0, repeats), error
+
+
+def mlx_lm_decode_step(repeats):
+    """The same step in mlx-lm's layout (state ``[B, Hv, Dv, Dk]``, 8 key heads for 16 value
+    heads, the decay itself): mlx-lm's ``gated_delta_update``'s recurrence as mlx-recgen runs it
+    under ``patch(backend="mlx")``, mlx-lm's ``gated_delta_ops`` and MLX's own
+    ``mx.fast.gated_delta_update`` (where this MLX has it). None without mlx-lm."""
+    try:
+        from mlx_lm.models.gated_delta import gated_delta_ops
+    except ImportError:
+        return None
+    from mlx_recgen.integrations.mlx_lm import gated_delta
+
+    rec = gated_delta(vector_gate=False, masked=False)
+    B, Hk, Hv, K, V = 1, 8, 16, 128, 128
+    q = mx.random.normal((B, 1, Hk, K))
+    k = mx.random.normal((B, 1, Hk, K)) / K ** 0.5
+    v = mx.random.normal((B, 1, Hv, V))
+    g, beta = mx.random.uniform(0.8, 1.0, (B, 1, Hv)), mx.random.uniform(shape=(B, 1, Hv))
+    S0 = mx.random.normal((B, Hv, V, K))
+    mx.eval(q, k, v, g, beta, S0)
+    steps = {"recgen": lambda S: rec(q, k, v, g, beta, initial_state=S, return_state=True,
+                                     backend="mlx"),
+             "mlx-lm ops": lambda S: gated_delta_ops(q, k, v, g, beta, S)}
+    if hasattr(mx.fast, "gated_delta_update"):
+        steps["mx.fast.gated_delta_update"] = \
+            lambda S: mx.fast.gated_delta_update(q, k, v, g, beta, S)
+    want = steps["mlx-lm ops"](S0)
+    errors = {}
+    for name, f in steps.items():
+        got = f(S0)
+        errors[name] = max((mx.max(mx.abs(a - b)) / mx.max(mx.abs(b))).item()
+                           for a, b in zip(got, want))
+    return _time_steps(steps, S0, repeats), errors
 
 
 def growth_in_this_process(cache: str, lengths=200):
@@ -263,6 +305,18 @@ def main():
               f"Ratio (total): **{r[1] / o[1]:.2f}x**; max relative difference of the outputs "
               f"{error:.1e}.", ""]
     print("\n".join(lines[-9:]), flush=True)
+
+    measured = mlx_lm_decode_step(args.repeats)
+    if measured is not None:
+        best, errors = measured
+        lines += ["## Decode step in mlx-lm's layout: B1, 16 value and 8 key heads, K=V=128 "
+                  "(backend mlx)", "", "| | Python (µs) | total (µs) | vs mlx-lm ops | "
+                  "max relative difference to mlx-lm ops |", "|---|---:|---:|---:|---:|"]
+        base = best["mlx-lm ops"][1]
+        lines += [f"| {name} | {p:.1f} | {t:.1f} | {t / base:.2f}x | {errors[name]:.1e} |"
+                  for name, (p, t) in best.items()]
+        lines.append("")
+        print("\n".join(lines[-len(best) - 4:]), flush=True)
 
     rows = overhead(args.backends.split(","), max(20, args.repeats // 4))
     lines += ["## Per-call overhead beside the op time", "",
