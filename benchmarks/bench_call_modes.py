@@ -29,46 +29,49 @@ CALLS = 20
 SHAPES = ((8, 4096, 1024), (3, 2048, 768))
 
 
-def per_call(run, reps=7):
+def per_call(run, calls=CALLS, reps=7):
+    """µs per call of ``run`` (which runs ``calls`` calls): the median of ``reps`` runs."""
     run()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) / CALLS * 1e6
+    return statistics.median(times) / calls * 1e6
 
 
-def ours(call):
-    """µs per call of ``call`` (which builds one call's graph), by each way of driving it."""
+def driven(call, calls=CALLS) -> dict:
+    """µs per call of ``call`` (which builds one call's graph), by each way of driving it
+    (module docstring): build, queued, prebuilt, async, alone."""
     for _ in range(3):
         mx.eval(call())
     mx.synchronize()
 
     def queued():
-        mx.eval([call() for _ in range(CALLS)])
+        mx.eval([call() for _ in range(calls)])
         mx.synchronize()
 
     def pipelined():
-        for _ in range(CALLS):
+        for _ in range(calls):
             mx.async_eval(call())
         mx.synchronize()
 
     def alone():
-        for _ in range(CALLS):
+        for _ in range(calls):
             mx.eval(call())
             mx.synchronize()
 
     def prebuilt():
-        graphs = [call() for _ in range(CALLS)]
+        graphs = [call() for _ in range(calls)]
         t0 = time.perf_counter()
         mx.eval(graphs)
         mx.synchronize()
-        return (time.perf_counter() - t0) / CALLS * 1e6
+        return (time.perf_counter() - t0) / calls * 1e6
 
-    return {"build": per_call(lambda: [call() for _ in range(CALLS)]), "queued": per_call(queued),
+    return {"build": per_call(lambda: [call() for _ in range(calls)], calls),
+            "queued": per_call(queued, calls),
             "prebuilt": statistics.median(prebuilt() for _ in range(7)),
-            "async": per_call(pipelined), "alone": per_call(alone)}
+            "async": per_call(pipelined, calls), "alone": per_call(alone, calls)}
 
 
 def main():
@@ -108,7 +111,7 @@ def main():
             for label, call, peer in (
                     ("forward", lambda: rec(a, x, backend="cuda", schedule="scan"), peer_forward),
                     ("forward+backward", lambda: grad(a, x), peer_backward)):
-                t = ours(call)
+                t = driven(call)
                 print(f"| B{B} L{L} D{D} | {name} | {label} | " + " | ".join(
                     f"{t[k]:.0f}" for k in ("build", "queued", "prebuilt", "async", "alone")) +
                     f" | {per_call(peer):.0f} |", flush=True)

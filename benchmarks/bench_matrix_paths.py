@@ -21,9 +21,7 @@ the largest relative difference between their values and gradients.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx_recgen as rg  # noqa: E402
 import mlx_recgen.function as F  # noqa: E402
+from bench_call_modes import driven  # noqa: E402
 from bench_peers import gated_delta, make_inputs  # noqa: E402
 
 STEPS = 10
@@ -45,15 +44,6 @@ def _full_path(self, call, backend, seg, schedule):
     plan = _plan(self, call, backend, seg, schedule)
     return F.CallPlan(plan.recurrence, plan.backend, plan.schedule, plan.seg, plan.sizes,
                       plan.out_dtype, plan.options, plan.decode, None)
-
-
-def _per_step(f, reps=5):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / STEPS * 1e3
 
 
 def measure(spec, shape, dtype, backend, path):
@@ -72,28 +62,13 @@ def measure(spec, shape, dtype, backend, path):
         def step():
             return step_fn(*xs)
 
-        for _ in range(3):
-            mx.eval(step())
-        mx.synchronize()
-
-        def queued():
-            mx.eval([step() for _ in range(STEPS)])
-            mx.synchronize()
-
-        def pipelined():
-            for _ in range(STEPS):
-                mx.async_eval(step())
-            mx.synchronize()
-
-        out = dict(build=_per_step(lambda: [step() for _ in range(STEPS)]),
-                   queued=_per_step(queued), async_=_per_step(pipelined))
+        modes = driven(step, STEPS)  # µs per step
+        out = {k: modes[v] / 1e3 for k, v in (("build", "build"), ("queued", "queued"),
+                                               ("async_", "async"))}
         out["compiled"] = float("nan")  # the simulator runs no kernel under mx.compile
         if backend != "metal-sim":
             compiled = mx.compile(step_fn)
-            for _ in range(3):
-                mx.eval(compiled(*xs))
-            out["compiled"] = _per_step(lambda: (mx.eval([compiled(*xs) for _ in range(STEPS)]),
-                                                 mx.synchronize()))
+            out["compiled"] = driven(lambda: compiled(*xs), STEPS)["queued"] / 1e3
         mx.reset_peak_memory()
         value, grads = step()
         mx.eval(value, grads)
