@@ -14,7 +14,9 @@ loop (``rec.reference``, at the smaller shapes).
 For every case and dtype (fp32, bf16): forward time, forward+backward time (gradients of
 ``sum(y * w)`` w.r.t. every input, fixed random ``w``) and the peak memory of forward+backward
 (each framework's own allocator counter, inputs included). Times are medians of 5 batches,
-each batch ``reps`` calls queued back to back and one synchronisation (both frameworks alike).
+each batch ``reps`` calls queued back to back and one synchronisation (both frameworks alike;
+``--mlx-timing pipelined`` hands each MLX call to ``mx.async_eval`` as it is built, so that
+Python overlaps the GPU as torch's launches do: ``benchmarks/bench_call_modes.py``).
 Every peer's fp32 output is checked against ours (relative error) on the same inputs. A peer
 that refuses to run is recorded with its error.
 
@@ -120,11 +122,26 @@ def _median_batches(run_batch, reps):
     return statistics.median(times)
 
 
+def _queued(fn, r):
+    mx.eval([fn() for _ in range(r)])
+    mx.synchronize()
+
+
+def _pipelined(fn, r):
+    for _ in range(r):
+        mx.async_eval(fn())
+    mx.synchronize()
+
+
+# How a batch of MLX calls runs (``--mlx-timing``): all built, then evaluated together; or each
+# handed to ``mx.async_eval`` as it is built, so that Python builds the next call while the GPU
+# runs this one, as torch's launches overlap the GPU
+MLX_TIMINGS = {"queued": _queued, "pipelined": _pipelined}
+mlx_timing = "queued"
+
+
 def time_mlx(fn, reps):
-    def batch(r):
-        mx.eval([fn() for _ in range(r)])
-        mx.synchronize()
-    return _median_batches(batch, reps)
+    return _median_batches(lambda r: MLX_TIMINGS[mlx_timing](fn, r), reps)
 
 
 def time_torch(fn, reps):
@@ -275,9 +292,14 @@ def main():
     p.add_argument("--schedules", default="sequential,chunked,matrix,loop",
                    help="our schedules to run, where they apply (loop: the per-step MLX loop)")
     p.add_argument("--peers", default=None, help="comma-separated peers (default: all of a case)")
+    p.add_argument("--mlx-timing", choices=sorted(MLX_TIMINGS), default="queued",
+                   help="how a batch of MLX calls runs (MLX_TIMINGS)")
     args = p.parse_args()
+    global mlx_timing
+    mlx_timing = args.mlx_timing
     rng = np.random.default_rng(0)
-    result = dict(date=str(datetime.date.today()), versions=versions(), rows=[])
+    result = dict(date=str(datetime.date.today()), versions=versions(), rows=[],
+                  mlx_timing=mlx_timing)
     result["copy_bandwidth_mlx"], result["copy_bandwidth_torch"] = copy_bandwidth()
     cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     # every case in fp32 first, so that a run cut short still has the main table
