@@ -21,19 +21,14 @@ the largest relative difference between their values and gradients.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import mlx_recgen as rg  # noqa: E402
-import mlx_recgen.function as F  # noqa: E402
-from bench_call_modes import driven  # noqa: E402
-from bench_peers import gated_delta, make_inputs  # noqa: E402
+import mlx_recgen as rg
+import mlx_recgen.function as F
+from bench_call_modes import driven  # this script's folder is first on sys.path
+from bench_peers import gated_delta, make_inputs
 
 STEPS = 10
 _plan = F.Recurrence._make_plan
