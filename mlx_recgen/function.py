@@ -353,11 +353,10 @@ class Recurrence:
             return self._functions[key]
         n_in, n_out, n_state = len(self.spec.inputs), len(self.spec.outputs), len(self.spec.states)
         kernel = backend.name != "mlx"
-        no_vmap = vmap_guard(backend.name) if kernel else None
 
         @mx.custom_function
         def fn(*arrays):
-            arrays = opaque(arrays, backend.name, no_vmap)
+            arrays = opaque(arrays, backend.name)
             inputs, states = list(arrays[:n_in]), list(arrays[n_in:])
             outs, finals, residuals = backend.forward(inputs, states, sizes, seg, out_dtype, **options)
             return (*outs, *finals, *residuals)
@@ -642,23 +641,25 @@ def _refuse(message):
     return refuse
 
 
-def opaque(arrays, backend, no_vmap=None):
-    """The arguments as the body of a custom function should see them. MLX's jvp and vmap walk
-    into a custom function's body (its outputs are computed there): the stop-gradient keeps jvp
-    on the custom rule (a kernel or a compiled step has no jvp), and ``no_vmap`` meets vmap
-    before any kernel does, with a clear error. The simulator is left alone: it evaluates its
+def opaque(arrays, backend):
+    """The arguments as the body of a custom function should see them. MLX's jvp walks into a
+    custom function's body (its outputs are computed there): the stop-gradient keeps jvp on the
+    custom rule (a kernel or a compiled step has no jvp). vmap walks in too, and meets each
+    kernel's own guard first (``vmap_guard``). The simulator is left alone: it evaluates its
     inputs through numpy (so they must stay on the graph: an evaluated intermediate is cut from
     it), its results are constants to MLX, and it reports compile/vmap itself."""
     if backend == "metal-sim":
         return list(arrays)
-    arrays = [mx.stop_gradient(a) for a in arrays]
-    return list(no_vmap(*arrays)) if no_vmap is not None else arrays
+    return [mx.stop_gradient(a) for a in arrays]
 
 
 def vmap_guard(backend):
+    """A custom function of any arrays that returns the last one and whose vmap rule raises
+    the kernel backends' refusal: a kernel launch passes its inputs through it
+    (``backends.kernels.kernel_factory``)."""
     @mx.custom_function
     def guard(*arrays):
-        return arrays
+        return arrays[-1]
 
     guard.vmap(_refuse(_NO_VMAP.format(backend=backend)))
     return guard

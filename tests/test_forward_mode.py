@@ -15,6 +15,7 @@ import pytest
 
 import mlx_recgen as rg
 from mlx_recgen import Sum, abs as rg_abs, maximum, sigmoid, tanh, where
+from mlx_recgen.backends.kernels import _refusing_vmap
 from mlx_recgen.backends.mlx_backend import MLXBackend
 from mlx_recgen.sim import SimulatorTransformError
 from conftest import KERNEL_BACKENDS, rel_err
@@ -355,31 +356,39 @@ def test_compile_and_vmap_on_mlx():
 # ---------------------------------------------------------------------------------------------
 
 
+def _qr_kernel(inputs, **launch):
+    """A stand-in for a custom kernel: zero from every input through a QR factorization, an op
+    that MLX can neither jvp nor vmap."""
+    total = sum(mx.sum(x.astype(mx.float32)) for x in inputs)
+    return [0 * mx.sum(mx.linalg.qr(mx.eye(2) + 0 * total, stream=mx.cpu)[0])]
+
+
 class OpaqueBackend:
-    """The pure-MLX passes plus, in each, an op that MLX can neither jvp nor vmap (a QR
-    factorization) depending on the inputs: what a custom kernel is to MLX's transforms."""
+    """The pure-MLX passes plus, in each, a kernel of every input that MLX can neither jvp nor
+    vmap, made as the kernel backends make theirs (``kernels._refusing_vmap``): what a custom
+    kernel is to MLX's transforms."""
 
     name = "cuda"
 
     def __init__(self, rec):
         self.impl = MLXBackend(rec)
+        self.kernel = _refusing_vmap(lambda **definition: _qr_kernel, "cuda")()
 
-    @staticmethod
-    def _opaque_zero(x):
-        q = mx.linalg.qr(mx.eye(2) + 0 * mx.sum(x), stream=mx.cpu)[0]
-        return 0 * mx.sum(q)
+    def _opaque_zero(self, arrays):
+        return self.kernel([*arrays, mx.array([1])])[0]
 
     def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential"):
         assert schedule == "sequential"
         outs, finals, residuals = self.impl.forward(inputs, states, sizes, seg, out_dtype)
-        outs[0] = outs[0] + self._opaque_zero(inputs[0]).astype(outs[0].dtype)
+        outs[0] = outs[0] + self._opaque_zero([*inputs, *states]).astype(outs[0].dtype)
         return outs, finals, residuals
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
                  schedule="sequential"):
         grads, d_init = self.impl.backward(inputs, states, residuals, d_outputs, d_finals, sizes,
                                            seg)
-        grads[0] = grads[0] + self._opaque_zero(inputs[0]).astype(grads[0].dtype)
+        zero = self._opaque_zero([*inputs, *d_outputs, *d_finals])
+        grads[0] = grads[0] + zero.astype(grads[0].dtype)
         return grads, d_init
 
 
@@ -414,9 +423,14 @@ def test_opaque_kernel_transform_errors(opaque_rec):
     def f(a, x):
         return opaque_rec(a, x, backend="cuda", seg=SEG, schedule="sequential")
 
-    with pytest.raises(NotImplementedError, match=r"mx\.vmap is not supported by the kernel "
-                                                  r"backends \(backend='cuda'\)"):
+    refusal = r"mx\.vmap is not supported by the kernel backends \(backend='cuda'\)"
+    with pytest.raises(NotImplementedError, match=refusal):
         mx.eval(mx.vmap(f)(mx.stack([a, a]), mx.stack([x, x])))
+    with pytest.raises(NotImplementedError, match=refusal):  # a later input mapped alone
+        mx.eval(mx.vmap(f, in_axes=(None, 0))(a, mx.stack([x, x])))
+    with pytest.raises(NotImplementedError, match=refusal):  # the backward's kernel, mapped alone
+        cotangents = mx.stack([mx.ones_like(x), -mx.ones_like(x)])
+        mx.eval(mx.vmap(lambda d: mx.vjp(f, [a, x], [d])[1][0])(cotangents))
     args = [a, x, mx.random.normal((2, 5))]
 
     def g(a, x, h0):

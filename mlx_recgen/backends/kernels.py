@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..function import vmap_guard
 from ..layout import declared_shape
 from ..memo import LRU
 from ..render.chunked import ChunkedRenderer
@@ -73,22 +74,43 @@ def _as_buffer(x):
 
 
 def kernel_factory(backend: str):
-    """The kernel constructor of a backend (same signature for all three)."""
+    """The kernel constructor of a backend (same signature for all three). On Metal and CUDA
+    each kernel it makes meets ``mx.vmap`` with a clear error (``_refusing_vmap``); the
+    simulator reports vmap itself."""
     if backend == "metal":
         if not mx.metal.is_available():
             raise RuntimeError("backend='metal' needs MLX with Metal (Apple silicon); use "
                                "backend='metal-sim' to run the Metal kernels on the CPU")
-        return mx.fast.metal_kernel
+        return _refusing_vmap(mx.fast.metal_kernel, backend)
     if backend == "cuda":
         if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
             raise RuntimeError("backend='cuda' needs MLX's CUDA build on an NVIDIA GPU "
                                "(pip install 'mlx[cuda13]')")
-        return mx.fast.cuda_kernel
+        return _refusing_vmap(mx.fast.cuda_kernel, backend)
     if backend == "metal-sim":
         from ..sim import metal_kernel
 
         return metal_kernel
     raise ValueError(f"not a kernel backend: {backend!r}")
+
+
+def _refusing_vmap(make_kernel, backend: str):
+    """``make_kernel`` whose kernels take their last input (the runtime values) through
+    ``function.vmap_guard``, a custom function of all the inputs whose vmap rule raises. A
+    custom kernel has no batching rule, and MLX's vmap walks into the custom functions around
+    it: the guard is met first, by any kernel, on any mapped input. One output, not one per
+    input, because a custom function with a rule costs about a microsecond per output."""
+    guard = vmap_guard(backend)
+
+    def make(**definition):
+        kernel = make_kernel(**definition)
+
+        def launch(inputs, **call):
+            return kernel(inputs=[*inputs[:-1], guard(*inputs)], **call)
+
+        return launch
+
+    return make
 
 
 @dataclass(frozen=True)

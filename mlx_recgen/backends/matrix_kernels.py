@@ -35,7 +35,7 @@ import os
 
 import mlx.core as mx
 
-from ..function import first_order_only, opaque, vmap_guard
+from ..function import first_order_only, opaque
 from ..memo import LRU
 from ..render.dialects import DIALECTS
 from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, state_tiles, tiles
@@ -222,14 +222,11 @@ class MatrixKernels:
         return self._cores.get_or_build(shape, lambda: self._build_core(shape))
 
     def _build_core(self, shape):
-        no_vmap = vmap_guard(self.backend)
-
         @mx.custom_function
         def core(c, a, b, log_d, sign, init):
-            # jvp and vmap walk into a custom function's body: they meet the stop-gradient
-            # and the guard there (``function.opaque``), never a kernel
-            c, a, b, log_d, sign, init = opaque([c, a, b, log_d, sign, init], self.backend,
-                                                no_vmap)
+            # jvp and vmap walk into a custom function's body: jvp meets the stop-gradient
+            # (``function.opaque``), vmap each kernel's guard (``kernels.kernel_factory``)
+            c, a, b, log_d, sign, init = opaque([c, a, b, log_d, sign, init], self.backend)
             sign = sign if shape.signed else None
             starts, last = self.states(shape, a, b, log_d, sign, init)
             return self.outputs(shape, c, a, b, log_d, sign, starts), last, starts
