@@ -6,6 +6,10 @@
   ``--tokens`` decode steps; per step the time to build the graph (``model(token, cache)`` and
   the argmax) and to evaluate it (``mx.eval``), the median of the steps after the fifth; the
   median over ``--runs`` runs of mlx-lm's own code and each patched backend, alternating.
+* Generation (``--generate``): mlx-lm's own loop, ``mlx_lm.generate.generate_step``, which
+  builds the next token's graph while the device evaluates this one (``mx.async_eval``): the
+  time per token after the first (which carries the prefill), as a user of ``mlx_lm generate``
+  sees it; the median over ``--runs`` alternating runs.
 * Helpers (``--helpers``): 24 calls of a routed helper at one step, each feeding its own
   state, then one ``mx.eval`` (as a model's step does), in ms, mlx-lm's own and patched.
 
@@ -45,6 +49,16 @@ def decode_split(model, vocab, prefill, tokens):
         building.append(t1 - t0)
         evaluating.append(time.perf_counter() - t1)
     return (statistics.median(building[5:]) * 1e3, statistics.median(evaluating[5:]) * 1e3)
+
+
+def generation_time(model, vocab, prefill, tokens):
+    """ms per generated token of mlx-lm's ``generate_step`` after its first token (the prefill
+    of ``prefill`` tokens), greedy."""
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.random.randint(0, vocab, (prefill,), key=mx.random.key(2))
+    stamps = [time.perf_counter() for _ in generate_step(prompt, model, max_tokens=tokens + 1)]
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
 
 
 def helper_cases(dtype):
@@ -99,6 +113,8 @@ def main():
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--helpers", action="store_true", help="also time the routed helpers alone")
+    p.add_argument("--generate", action="store_true",
+                   help="also time mlx-lm's generation loop (generate_step), per token")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
     backends = args.backends.split(",")
@@ -122,6 +138,23 @@ def main():
             own = own or b + e
             print(f"| {name} | {run} | {b:.2f} ms | {e:.2f} ms | {b + e:.2f} ms | "
                   f"{(b + e) / own:.2f} |")
+    if args.generate:
+        print(f"\n| model | generate_step, ms per token: mlx-lm's own | "
+              + " | ".join(f"patch(backend={b!r})" for b in backends) + " | vs own |")
+        print("|---|---|" + "---|" * len(backends) + "---|")
+        for name in args.models.split(","):
+            model, vocab = build(name, args.size, dtype)
+            runs = {}
+            for _ in range(args.runs + 1):  # the first round warms up
+                runs.setdefault("own", []).append(
+                    generation_time(model, vocab, args.prefill, args.tokens))
+                for backend in backends:
+                    with patch(backend=backend):
+                        runs.setdefault(backend, []).append(
+                            generation_time(model, vocab, args.prefill, args.tokens))
+            times = [statistics.median(t[1:]) for t in runs.values()]
+            print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in times) + " | "
+                  + " / ".join(f"{t / times[0]:.2f}" for t in times[1:]) + " |")
     if args.helpers:
         print("\n| helper, 24 one-step calls | mlx-lm's own | "
               + " | ".join(f"patch(backend={b!r})" for b in backends) + " |")
