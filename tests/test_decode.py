@@ -13,7 +13,7 @@ import dataclasses
 
 import mlx.core as mx
 import pytest
-from conftest import rel_err
+from conftest import cuda_available, rel_err
 from references import gated_deltanet_ref
 
 import mlx_recgen as rg
@@ -293,3 +293,41 @@ def test_generate_command_decodes_through_the_recurrences(tmp_path, monkeypatch,
     # linear-attention layer decodes through the recurrence
     assert calls[0] == 4 and set(calls[1:]) == {1} and len(calls) >= 12
     assert integration._active is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="MLX has no CUDA backend on this machine")
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("L", [1, 5])
+def test_short_calls_on_cuda_run_compiled(name, L):
+    """On CUDA a decode call runs its full path under ``mx.compile``: outputs, final states and
+    gradients bit for bit those of the same path uncompiled, and the reference's."""
+    rec = _load(name)
+    inputs, states = _arguments(rec, L)
+    plan = rec.plan(*inputs, initial_state=states, backend="cuda")
+    assert plan.compiled
+    call = rec.check(*inputs, initial_state=states)
+    floats = [i for i, x in enumerate(inputs) if x.dtype == mx.float32]
+    weights = None
+
+    def loss(p):
+        def of(*args):
+            xs = list(call.inputs)
+            for i, a in zip(floats, args):
+                xs[i] = a
+            outs, finals = p.run(xs, list(args[len(floats):]))
+            return sum(mx.sum(y * w) for y, w in zip(outs + finals, weights))
+        return of
+
+    results = {}
+    for p in (plan, dataclasses.replace(plan, compiled=False)):
+        outs, finals = p.run(call.inputs, call.states)
+        weights = weights or [mx.random.normal(y.shape) for y in outs + finals]
+        grads = mx.grad(loss(p), tuple(range(len(floats) + len(states))))(
+            *[inputs[i] for i in floats], *call.states)
+        results[p.compiled] = outs + finals + list(grads)
+    for got, want in zip(results[True], results[False]):
+        assert mx.array_equal(got, want)
+    want = _flat(rec.reference(*inputs, initial_state=states, return_state=True))
+    for got, w in zip(results[True], want):
+        assert rel_err(got, w) < 1e-5

@@ -9,6 +9,8 @@ simulator cannot run under ``mx.compile``/``mx.vmap`` and says so.
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -442,3 +444,48 @@ def test_opaque_kernel_transform_errors(opaque_rec):
     with pytest.raises(NotImplementedError, match=SECOND_ORDER):
         mx.eval(mx.jvp(lambda *v: mx.grad(_loss(g), argnums=(0, 1, 2))(*v), args,
                        _directions(args))[1])
+
+
+def test_calls_on_a_device_run_compiled(opaque_rec):
+    """On Metal and CUDA the full path runs under ``mx.compile`` (``CallPlan.compiled``), on
+    the simulator it does not. Compiled, it gives the uncompiled path's values and gradients
+    bit for bit, the reference's within rounding, its jvp on the tangent recurrence, and its
+    refusal of vmap."""
+    def arguments(L):
+        return [mx.random.uniform(-0.9, 0.9, (2, L, 5)), mx.random.normal((2, L, 5)),
+                mx.random.normal((2, 5))]
+
+    a, x, h0 = arguments(9)
+    plan = opaque_rec.plan(a, x, initial_state=h0, backend="cuda", schedule="sequential")
+    assert plan.compiled
+    uncompiled = dataclasses.replace(plan, compiled=False)
+    assert plan._path is not plan.function and uncompiled._path is uncompiled.function
+
+    def via(p):
+        def f(a, x, h0):
+            outs, finals = p.run([a, x], [h0])
+            return outs[0], finals[0]
+        return f
+
+    for got, want in zip(via(plan)(a, x, h0), via(uncompiled)(a, x, h0)):
+        assert mx.array_equal(got, want)
+    argnums = (0, 1, 2)
+    got = mx.grad(_loss(via(plan)), argnums=argnums)(a, x, h0)
+    for g, w in zip(got, mx.grad(_loss(via(uncompiled)), argnums=argnums)(a, x, h0)):
+        assert mx.array_equal(g, w)
+
+    def reference(a, x, h0):
+        return opaque_rec.reference(a, x, initial_state=h0, return_state=True)
+
+    _close(list(got), list(mx.grad(_loss(reference), argnums=argnums)(a, x, h0)))
+    directions = _directions([a, x, h0])
+    _close(mx.jvp(via(plan), [a, x, h0], directions)[1],
+           mx.jvp(reference, [a, x, h0], directions)[1])
+    with pytest.raises(NotImplementedError, match=r"mx\.vmap is not supported"):
+        mx.eval(mx.vmap(via(plan))(*[mx.stack([v, v]) for v in (a, x, h0)]))
+
+
+def test_the_simulator_runs_calls_uncompiled():
+    rec = rg.load_spec("rglru")
+    plan = rec.plan(mx.ones((1, 3, 4)), mx.ones((1, 3, 4)), backend="metal-sim")
+    assert not plan.compiled  # it evaluates its inputs through numpy: it cannot be traced
