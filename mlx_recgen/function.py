@@ -36,6 +36,9 @@ BACKENDS = ("auto", "mlx", "metal", "metal-sim", "cuda")
 # Plans (and the custom functions behind them) kept per recurrence: a call of a new shape past
 # this many evicts the least recently used (``memo.LRU``).
 PLAN_CACHE_SIZE = 64
+# Zero initial states of at most this many elements are kept with a checked call's plan and
+# passed again by the calls like it (``_kept_zeros``).
+ZEROS_KEPT_MAX = 1 << 16
 # The mlx backend runs calls of at most this many steps as the decode path (``CallPlan``).
 DECODE_MAX_STEPS = 16
 # Backends whose full path runs under mx.compile (``CallPlan.compiled``); the simulator evaluates
@@ -458,13 +461,15 @@ class Recurrence:
                 hit = key = None
             if hit is not None:
                 plan, zero_states = hit
-                states = ([initial_state] if initial_state is not None
-                          else [mx.zeros(shape, dtype=mx.float32) for shape in zero_states])
+                states = ([initial_state] if initial_state is not None else
+                          [mx.zeros(z, dtype=mx.float32) if type(z) is tuple else z
+                           for z in zero_states])
                 return plan.package(*plan.run(list(args), states), return_state)
         call = self.check(*args, initial_state=initial_state, **kwargs)
         plan = self.plan_for(call, backend=backend, seg=seg, schedule=schedule)
         if key is not None:
-            self._checked[key] = (plan, tuple(tuple(x.shape) for x in call.states))
+            self._checked[key] = (plan, _kept_zeros(call.states) if initial_state is None
+                                  else None)
         return plan.package(*plan.run(call.inputs, call.states), return_state)
 
     def check(self, *args, initial_state=None, **kwargs) -> "CheckedCall":
@@ -563,6 +568,20 @@ def _call_key(args, initial_state, backend, seg, schedule):
         shapes.append((x.shape, x.dtype))
     return (tuple(shapes), initial_state is not None, backend, seg, schedule,
             str(mx.default_device()))  # a Device hashes by identity, its text by value
+
+
+def _kept_zeros(states) -> tuple:
+    """What a call without ``initial_state`` keeps of its zero states for the calls like it:
+    each small one as an evaluated array, which those calls pass again (no fill to build or
+    run each call; MLX never writes an array another holds), a larger one as its shape."""
+    kept = []
+    for x in states:
+        if x.size <= ZEROS_KEPT_MAX:
+            mx.eval(x)
+            kept.append(x)
+        else:
+            kept.append(tuple(x.shape))
+    return tuple(kept)
 
 
 class CheckedCall(NamedTuple):

@@ -114,6 +114,27 @@ def test_a_repeated_call_skips_the_check_but_not_what_decides_it(monkeypatch):
     assert len(rec._checked) == PLAN_CACHE_SIZE
 
 
+@pytest.mark.parametrize("backend", ["mlx", *KERNEL_BACKENDS])
+def test_calls_without_an_initial_state_share_a_kept_zero_state(backend):
+    """A small zero state is kept with the checked call's plan and passed again: the calls like
+    it (forward and backward) give the reference's results, and the kept state stays zero; a
+    state above ``ZEROS_KEPT_MAX`` elements is kept as its shape."""
+    rec = _rglru()
+    for _ in range(3):
+        a, x = _args(9)
+        y = rec(a, x, backend=backend, seg=4)
+        assert mx.allclose(y, rec.reference(a, x), rtol=1e-5, atol=1e-6)
+        grads = mx.grad(lambda a, x: mx.sum(rec(a, x, backend=backend, seg=4) * x), (0, 1))(a, x)
+        want = mx.grad(lambda a, x: mx.sum(rec.reference(a, x) * x), (0, 1))(a, x)
+        assert all(mx.allclose(g, w, rtol=1e-4, atol=1e-6) for g, w in zip(grads, want))
+    (_, (kept,)), = [v for v in rec._checked.values() if v[1] is not None][:1]
+    assert isinstance(kept, mx.array) and kept.shape == (2, 4) and not mx.any(kept).item()
+    from mlx_recgen import function
+
+    big = mx.zeros((function.ZEROS_KEPT_MAX + 1,))
+    assert function._kept_zeros([big, mx.zeros((3,))])[0] == big.shape
+
+
 def test_compiled_blocks_are_bounded_and_shared_across_lengths(monkeypatch):
     """The mlx backend's compiled forward blocks: one compiled function per shape of the axes
     other than time (a new length reuses it), at most ``COMPILED_SIZES`` of them."""
