@@ -174,9 +174,13 @@ def test_longer_calls_take_the_full_path():
     assert short.decode is not None and long.decode is None
 
 
-def test_decode_inside_mx_compile_of_a_model_step():
+@pytest.mark.parametrize("backend", [
+    "mlx", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not cuda_available(), reason="MLX has no CUDA backend on this machine")])])
+def test_decode_inside_mx_compile_of_a_model_step(backend):
     """A model-like decode step — projections, the recurrence with its state, a readout —
-    compiled whole: the same tokens and states as uncompiled, step after step."""
+    compiled whole: the same tokens and states as uncompiled, step after step (on CUDA the
+    recurrence's own compiled call inside the model's)."""
     rec = rg.load_spec("gated_deltanet")
     B, H, K, V, D = 1, 2, 8, 8, 16
     w_in = mx.random.normal((D, H * (2 * K + V + 2))) * 0.2
@@ -186,7 +190,7 @@ def test_decode_inside_mx_compile_of_a_model_step():
         p = (x @ w_in).reshape(B, 1, H, 2 * K + V + 2)
         q, k, v = p[..., :K], p[..., K:2 * K] * 0.3, p[..., 2 * K:2 * K + V]
         g, beta = -mx.sigmoid(p[..., -2]), mx.sigmoid(p[..., -1])
-        y, S = rec(q, k, v, g, beta, initial_state=S, return_state=True, backend="mlx")
+        y, S = rec(q, k, v, g, beta, initial_state=S, return_state=True, backend=backend)
         return y.reshape(B, 1, H * V) @ w_out, S
 
     compiled = mx.compile(step)
