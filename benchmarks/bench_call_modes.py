@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_recgen as rg
+from bench_peers import run_pipelined, run_queued  # this script's folder is first on sys.path
 
 CALLS = 20
 SHAPES = ((8, 4096, 1024), (3, 2048, 768))
@@ -47,15 +48,6 @@ def driven(call, calls=CALLS) -> dict:
         mx.eval(call())
     mx.synchronize()
 
-    def queued():
-        mx.eval([call() for _ in range(calls)])
-        mx.synchronize()
-
-    def pipelined():
-        for _ in range(calls):
-            mx.async_eval(call())
-        mx.synchronize()
-
     def alone():
         for _ in range(calls):
             mx.eval(call())
@@ -69,9 +61,10 @@ def driven(call, calls=CALLS) -> dict:
         return (time.perf_counter() - t0) / calls * 1e6
 
     return {"build": per_call(lambda: [call() for _ in range(calls)], calls),
-            "queued": per_call(queued, calls),
+            "queued": per_call(lambda: run_queued(call, calls), calls),
             "prebuilt": statistics.median(prebuilt() for _ in range(7)),
-            "async": per_call(pipelined, calls), "alone": per_call(alone, calls)}
+            "async": per_call(lambda: run_pipelined(call, calls), calls),
+            "alone": per_call(alone, calls)}
 
 
 def main():

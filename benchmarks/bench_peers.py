@@ -122,12 +122,14 @@ def _median_batches(run_batch, reps):
     return statistics.median(times)
 
 
-def _queued(fn, r):
+def run_queued(fn, r):
+    """``r`` calls of ``fn`` built, then evaluated together."""
     mx.eval([fn() for _ in range(r)])
     mx.synchronize()
 
 
-def _pipelined(fn, r):
+def run_pipelined(fn, r):
+    """``r`` calls of ``fn``, each handed to ``mx.async_eval`` as it is built."""
     for _ in range(r):
         mx.async_eval(fn())
     mx.synchronize()
@@ -136,7 +138,7 @@ def _pipelined(fn, r):
 # How a batch of MLX calls runs (``--mlx-timing``): all built, then evaluated together; or each
 # handed to ``mx.async_eval`` as it is built, so that Python builds the next call while the GPU
 # runs this one, as torch's launches overlap the GPU
-MLX_TIMINGS = {"queued": _queued, "pipelined": _pipelined}
+MLX_TIMINGS = {"queued": run_queued, "pipelined": run_pipelined}
 mlx_timing = "queued"
 
 

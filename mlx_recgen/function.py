@@ -639,9 +639,8 @@ class CallPlan:
     def _path(self):
         """What ``run`` calls: the decode path, the direct path, or the full path (compiled
         where ``compiled``)."""
-        if self.decode or self.direct:
-            return self.decode or self.direct
-        return mx.compile(self.function) if self.compiled else self.function
+        return (self.decode or self.direct
+                or (mx.compile(self.function) if self.compiled else self.function))
 
     def run(self, inputs, states) -> tuple:
         """(outputs, final states) of the call on these checked arrays."""

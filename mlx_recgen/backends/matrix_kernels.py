@@ -250,14 +250,14 @@ class MatrixKernels:
             # forward mode through the same chunk form in MLX ops (``core_in_ops``); the sign
             # is piecewise constant: no tangent
             sign = primals[4]
-            tangents = [mx.zeros_like(p) if t is None else t
-                        for p, t in zip(primals, tangents)]
+            moving = (0, 1, 2, 3, 5)  # every argument but the sign
 
             def values(c, a, b, log_d, init):
                 return core_in_ops(shape, c, a, b, log_d, sign, init)
 
-            primals = [*primals[:4], primals[5]]
-            return mx.jvp(values, primals, [*tangents[:4], tangents[5]])[1]
+            return mx.jvp(values, [primals[i] for i in moving],
+                          [mx.zeros_like(primals[i]) if tangents[i] is None else tangents[i]
+                           for i in moving])[1]
 
         return core
 
