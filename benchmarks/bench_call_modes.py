@@ -1,5 +1,6 @@
 """A call's time by how it is driven, ours (the scan schedule) and accelerated-scan in one
-process: RG-LRU forward and forward+backward (gradients of ``sum(y * w)``), µs per call.
+process: RG-LRU forward and forward+backward (gradients of ``sum(y * w)``), µs per call; with
+``--cases``, any of ``bench_peers.py``'s cases in the schedules named, ours alone.
 
 * build: building 20 calls' graphs (Python only);
 * queued: 20 calls built, then evaluated together (``bench_peers.py``'s method);
@@ -11,12 +12,15 @@ process: RG-LRU forward and forward+backward (gradients of ``sum(y * w)``), µs 
   layout, transposed outside the timing).
 
     python benchmarks/bench_call_modes.py
+    python benchmarks/bench_call_modes.py --cases 4,6 --schedules sequential,matrix
 
-Needs MLX's CUDA build, torch and accelerated-scan on one NVIDIA GPU. Medians of 7 batches.
+Needs MLX's CUDA build on one NVIDIA GPU, and torch and accelerated-scan for the first form.
+Medians of 7 batches.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -24,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_recgen as rg
-from bench_peers import run_pipelined, run_queued  # this script's folder is first on sys.path
+# this script's folder is first on sys.path
+from bench_peers import CASES, gated_delta, make_inputs, run_pipelined, run_queued
 
 CALLS = 20
 SHAPES = ((8, 4096, 1024), (3, 2048, 768))
@@ -67,7 +72,46 @@ def driven(call, calls=CALLS) -> dict:
             "alone": per_call(alone, calls)}
 
 
+COLUMNS = ("build", "queued", "prebuilt", "async", "alone")
+
+
+def cases(indices, schedules, dtypes=("float32", "bfloat16"), backend="cuda"):
+    """The driven table of ``bench_peers.CASES[i]`` for each index, schedule and dtype: its
+    inputs (``bench_peers.make_inputs``), forward and forward+backward."""
+    print(f"mlx {mx.__version__}, {mx.default_device()}")
+    print("| case | dtype | schedule | pass | " + " | ".join(COLUMNS) + " |")
+    print("|---|---|---|---|" + "---|" * len(COLUMNS))
+    for i in indices:
+        name, shape, _ = CASES[i]
+        rec = gated_delta if name == "gated_delta" else rg.load_spec(name)
+        label = f"{name} " + " ".join(f"{k}{v}" for k, v in shape.items())
+        for dtype in dtypes:
+            xs = [mx.array(x).astype(getattr(mx, dtype))
+                  for x in make_inputs(name, shape, np.random.default_rng(0))]
+            for schedule in schedules:
+                def call(schedule=schedule):
+                    return rec(*xs, backend=backend, schedule=schedule)
+
+                grad = mx.grad(lambda *a, schedule=schedule: mx.sum(
+                    rec(*a, backend=backend, schedule=schedule)), argnums=tuple(range(len(xs))))
+                for kind, fn in (("forward", call), ("forward+backward", lambda: grad(*xs))):
+                    t = driven(fn)
+                    print(f"| {label} | {dtype} | {schedule} | {kind} | "
+                          + " | ".join(f"{t[k]:.0f}" for k in COLUMNS) + " |", flush=True)
+                mx.clear_cache()
+
+
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", help="indices into bench_peers.CASES (ours alone, no peer)")
+    p.add_argument("--schedules", default="sequential", help="with --cases: comma-separated")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--backend", default="cuda", help="with --cases")
+    args = p.parse_args()
+    if args.cases:
+        cases([int(i) for i in args.cases.split(",")], args.schedules.split(","),
+              args.dtypes.split(","), args.backend)
+        return
     import torch
     from accelerated_scan.scalar import scan
 
@@ -106,7 +150,7 @@ def main():
                     ("forward+backward", lambda: grad(a, x), peer_backward)):
                 t = driven(call)
                 print(f"| B{B} L{L} D{D} | {name} | {label} | " + " | ".join(
-                    f"{t[k]:.0f}" for k in ("build", "queued", "prebuilt", "async", "alone")) +
+                    f"{t[k]:.0f}" for k in COLUMNS) +
                     f" | {per_call(peer):.0f} |", flush=True)
 
 
