@@ -105,7 +105,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", help="indices into bench_peers.CASES (ours alone, no peer)")
     p.add_argument("--schedules", default="sequential", help="with --cases: comma-separated")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="with --cases")
     p.add_argument("--backend", default="cuda", help="with --cases")
     args = p.parse_args()
     if args.cases:
