@@ -13,10 +13,15 @@ loop (``rec.reference``, at the smaller shapes).
 
 For every case and dtype (fp32, bf16): forward time, forward+backward time (gradients of
 ``sum(y * w)`` w.r.t. every input, fixed random ``w``) and the peak memory of forward+backward
-(each framework's own allocator counter, inputs included). Times are medians of 5 batches,
-each batch ``reps`` calls queued back to back and one synchronisation (both frameworks alike;
-``--mlx-timing pipelined`` hands each MLX call to ``mx.async_eval`` as it is built, so that
-Python overlaps the GPU as torch's launches do: ``benchmarks/bench_call_modes.py``).
+(each framework's own allocator counter, inputs included). Times are medians of 5 batches of
+``reps`` calls and one synchronisation. Torch launches each call as it is built; by default each
+MLX call is likewise handed to ``mx.async_eval`` as it is built (``--mlx-timing pipelined``),
+so Python overlaps the GPU and one call's kernels follow the last's. ``--mlx-timing queued``
+builds the batch, then evaluates it at once: MLX's CUDA graphs may then run independent calls'
+kernels side by side, which flatters a kernel that leaves the GPU partly idle (a sequential
+GLA B3 forward on an H200: 0.36-0.49 ms queued, 1.53-1.56 ms pipelined;
+``benchmarks/results/bench-peers-b3-pipelined-H200-2026-11-27.md``,
+``benchmarks/bench_call_modes.py``).
 Every peer's fp32 output is checked against ours (relative error) on the same inputs. A peer
 that refuses to run is recorded with its error.
 
@@ -139,7 +144,7 @@ def run_pipelined(fn, r):
 # handed to ``mx.async_eval`` as it is built, so that Python builds the next call while the GPU
 # runs this one, as torch's launches overlap the GPU
 MLX_TIMINGS = {"queued": run_queued, "pipelined": run_pipelined}
-mlx_timing = "queued"
+mlx_timing = "pipelined"
 
 
 def time_mlx(fn, reps):
@@ -294,7 +299,7 @@ def main():
     p.add_argument("--schedules", default="sequential,chunked,matrix,loop",
                    help="our schedules to run, where they apply (loop: the per-step MLX loop)")
     p.add_argument("--peers", default=None, help="comma-separated peers (default: all of a case)")
-    p.add_argument("--mlx-timing", choices=sorted(MLX_TIMINGS), default="queued",
+    p.add_argument("--mlx-timing", choices=sorted(MLX_TIMINGS), default="pipelined",
                    help="how a batch of MLX calls runs (MLX_TIMINGS)")
     args = p.parse_args()
     global mlx_timing
