@@ -342,6 +342,37 @@ def test_growing_decays_give_gradients_right_or_nan(backend):
             assert mx.all(mx.where(mx.isfinite(g), close, mx.isnan(g))).item()
 
 
+def test_chunk_products_match_matmul_with_their_transforms():
+    """``matrix_chunks.product``, the chunk products' matmul (on the CPU with its operands
+    passed row-major, the VJP's included): values, gradients of both operands (transposed and
+    broadcast ones), a jvp, a vmap and a second derivative equal those of ``x @ y``."""
+    from mlx_recgen.backends.matrix_chunks import product
+
+    with mx.stream(mx.cpu):
+        x = mx.random.normal((3, 1, 5, 4))  # broadcast over the second axis
+        y = mx.swapaxes(mx.random.normal((2, 6, 4)), -1, -2)  # transposed, broadcast over the first
+        w = mx.random.normal((3, 2, 5, 6))
+
+        def loss(mm):
+            return lambda x, y: mx.sum(mm(x, y) * w) + mx.sum(mm(x, y) ** 2)
+
+        assert rel_err(product(x, y), x @ y) < 1e-6
+        got = mx.grad(loss(product), argnums=(0, 1))(x, y)
+        want = mx.grad(loss(mx.matmul), argnums=(0, 1))(x, y)
+        assert [g.shape for g in got] == [x.shape, y.shape]
+        assert max(rel_err(g, r) for g, r in zip(got, want)) < 1e-5
+        dx, dy = mx.random.normal(x.shape), mx.random.normal(y.shape)
+        assert rel_err(mx.jvp(product, [x, y], [dx, dy])[1][0],
+                       mx.jvp(mx.matmul, [x, y], [dx, dy])[1][0]) < 1e-5
+        xs = mx.random.normal((7, 5, 4))
+        assert rel_err(mx.vmap(product, in_axes=(0, None))(xs, y[0]), xs @ y[0]) < 1e-6
+
+        def second(mm):
+            return mx.grad(lambda x: mx.sum(mx.grad(lambda x: loss(mm)(x, y))(x) ** 2))(x)
+
+        assert rel_err(second(product), second(mx.matmul)) < 1e-5
+
+
 def test_instance_scalars_go_to_the_value_side_and_a_scalar_decay_leaves_the_readout():
     """Mamba-2: ``dt`` (free of the state and the lane axis) goes to ``b``, so ``a = B`` and
     ``c = C`` stay per group; the scalar decay read after the update leaves ``c`` (applied to

@@ -45,7 +45,7 @@ from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
-from .matrix_chunks import MatrixChunks, carry, causal_weights, parity
+from .matrix_chunks import MatrixChunks, carry, causal_weights, parity, product
 from .matrix_kernels import enabled as kernels_enabled
 from .matrix_kernels import kernel_chunk, kernel_flags, matrix_kernels
 from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
@@ -107,7 +107,7 @@ def unit_lower_inverse(A):
                                          axis1=-4, axis2=-2), -1, -3)  # (..., m / 2s, 2s, 2s)
         pairs = T.reshape(*lead, m // (2 * size), 2, size, size)
         X, Y = pairs[..., 0, :, :], pairs[..., 1, :, :]
-        below = Y @ blocks[..., size:, :size] @ X
+        below = product(product(Y, blocks[..., size:, :size]), X)
         T = mx.concatenate([mx.concatenate([X, mx.zeros_like(X)], axis=-1),
                             mx.concatenate([below, Y], axis=-1)], axis=-2)
         size *= 2
@@ -121,7 +121,7 @@ def _unit_lower_inverse_vjp(primals, cotangent, output):
     products 0.5 ms)."""
     T = mx.swapaxes(output, -1, -2)
     n = T.shape[-1]
-    return mx.where(mx.tri(n, n, -1, dtype=mx.bool_), T @ cotangent @ T, 0.0)
+    return mx.where(mx.tri(n, n, -1, dtype=mx.bool_), product(product(T, cotangent), T), 0.0)
 
 
 @mx.custom_function
@@ -134,7 +134,7 @@ def chunk_chain(P, U, S0):
     starts, S = [], S0
     for P_c, U_c in zip(_chunks(P), _chunks(U)):
         starts.append(S)
-        S = P_c @ S + U_c
+        S = product(P_c, S) + U_c
     return mx.stack(starts, axis=-3), S
 
 
@@ -143,7 +143,7 @@ def _compose_chunk_maps(P):
     maps = _chunks(P)
     total = maps[0]
     for P_c in maps[1:]:
-        total = P_c @ total
+        total = product(P_c, total)
     return total
 
 
@@ -161,9 +161,9 @@ def _chunk_chain_vjp(primals, cotangents, outputs):
     lams = []
     for P_t, d_c in reversed(list(zip(_chunks(mx.swapaxes(P, -1, -2)), _chunks(d_starts)))):
         lams.append(lam)
-        lam = P_t @ lam + d_c
+        lam = product(P_t, lam) + d_c
     d_U = mx.stack(lams[::-1], axis=-3)
-    return d_U @ mx.swapaxes(outputs[0], -1, -2), d_U, lam
+    return product(d_U, mx.swapaxes(outputs[0], -1, -2)), d_U, lam
 
 
 class _Members:
@@ -382,8 +382,8 @@ class MatrixForm(SequentialForm):
 
         def mm(x, y):
             if operands == mx.float32:
-                return x @ y
-            return (x.astype(operands) @ y.astype(operands)).astype(mx.float32)
+                return product(x, y)
+            return product(x.astype(operands), y.astype(operands)).astype(mx.float32)
 
         f = self._factors(values, grouped, sizes, self._ones(sizes))
         members = {g: _Members(spec.batch_axes.index(spec.groups[g]),
@@ -570,7 +570,7 @@ class MatrixForm(SequentialForm):
         def scores(c, a):
             if vector:
                 return self._scores(c, a, log_d, mx.matmul)
-            return (c @ mx.swapaxes(a, -1, -2)) * between
+            return product(c, mx.swapaxes(a, -1, -2)) * between
 
         def term(a, la):
             a = _spread(members, la, a)
@@ -592,20 +592,20 @@ class MatrixForm(SequentialForm):
             read_scores = [{j: along_a}]
         C = log_d.shape[-2]
         T = unit_lower_inverse(A.reshape(*A.shape[:-4], C * R, C * R))
-        M = T @ time_major([b * from_start for b in betas])
-        inputs = [sum((known[n] if n in known else scores(b, term(a, la))) @ x
+        M = product(T, time_major([b * from_start for b in betas]))
+        inputs = [sum(product(known[n] if n in known else scores(b, term(a, la)), x)
                       for n, (a, la, x) in enumerate(terms))
                   if terms else mx.zeros((*b.shape[:-1], U.shape[-1]))
                   for b, known in zip(betas, read_scores)]
-        rho0 = T @ time_major(inputs)
+        rho0 = product(T, time_major(inputs))
         alpha_end = mx.swapaxes(time_major([a * to_end for a in alphas]), -1, -2)
         decay = mx.exp(whole[..., 0, :])  # (*batch, nc, 1 or K): d(1..C)
         if sign_end is not None:
             decay = decay * sign_end[..., 0, :]
-        P = alpha_end @ M + decay[..., :, None] * mx.eye(S0.shape[-2])
-        offset = U + alpha_end @ rho0
+        P = product(alpha_end, M) + decay[..., :, None] * mx.eye(S0.shape[-2])
+        offset = U + product(alpha_end, rho0)
         S_start, S = chunk_chain(P, offset, S0)
-        rho = (M @ S_start + rho0).reshape(*S_start.shape[:-2], C, R, S_start.shape[-1])
+        rho = (product(M, S_start) + rho0).reshape(*S_start.shape[:-2], C, R, S_start.shape[-1])
         return S_start, S, {p: rho[..., r, :] for r, (p, _, _) in enumerate(st.low_rank)}, P
 
     @staticmethod
