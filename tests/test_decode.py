@@ -17,7 +17,7 @@ from conftest import cuda_available, rel_err
 from references import gated_deltanet_ref
 
 import mlx_recgen as rg
-from mlx_recgen.backends.mlx_ops import COMPILE_MAX_STATE
+from mlx_recgen.backends.mlx_decode import COMPILE_MAX_STATE
 from mlx_recgen.function import DECODE_MAX_STEPS, CallPlan
 from mlx_recgen.integrations.mlx_lm import gated_delta
 
@@ -150,7 +150,7 @@ def test_layout_changes_leave_out_the_ops_that_move_nothing():
     """A transpose that keeps the order of the axes of size > 1 is left out of the decode
     step's graph (it moves no element), and so is a reshape to the shape at hand; the result
     is ``reshape(transpose(x, perm), shape)`` whatever the sizes."""
-    from mlx_recgen.backends.mlx_ops import _arranged, _arrangement
+    from mlx_recgen.backends.mlx_decode import arranged, arrangement
 
     for shape, perm in [((1, 1, 4, 8), (1, 0, 2, 3)), ((2, 1, 4, 8), (1, 0, 2, 3)),
                         ((1, 3, 4, 8), (1, 0, 3, 2)), ((2, 3, 1), (2, 0, 1))]:
@@ -158,11 +158,11 @@ def test_layout_changes_leave_out_the_ops_that_move_nothing():
         want = mx.transpose(x, perm)
         for target in (want.shape, (-1,), (*want.shape, 1)):
             target = [want.size] if target == (-1,) else list(target)
-            ops = _arrangement(x.shape, list(perm), target)
-            assert mx.array_equal(_arranged(x, *ops), mx.reshape(want, target))
+            ops = arrangement(x.shape, list(perm), target)
+            assert mx.array_equal(arranged(x, *ops), mx.reshape(want, target))
     x = mx.random.normal((1, 1, 4, 8))
-    assert _arrangement(x.shape, [1, 0, 2, 3], [1, 1, 4, 8]) == (None, None)  # no op at all
-    assert _arranged(x, None, None) is x
+    assert arrangement(x.shape, [1, 0, 2, 3], [1, 1, 4, 8]) == (None, None)  # no op at all
+    assert arranged(x, None, None) is x
 
 
 def test_longer_calls_take_the_full_path():

@@ -1,16 +1,18 @@
 """The pure-MLX backend: its forms (``mlx_ops.SequentialForm``, ``mlx_chunked.ChunkedForm``,
 ``mlx_matrix.MatrixForm``) under one object, and ``MLXBackend.form``, the one place where the
-form of a call is chosen. The forms import their shared plumbing from ``mlx_ops``; nothing
-imports this module back."""
+form of a call is chosen, and the decode path of short calls (``mlx_decode.Decoder``). The
+forms import their shared plumbing from ``mlx_blocks``; nothing imports this module back."""
 
 from __future__ import annotations
 
 import functools
 
 from ..render.mlx_ops import MLXStep, render_mlx
+from .mlx_blocks import SymbolTable
 from .mlx_chunked import ChunkedForm
+from .mlx_decode import Decoder
 from .mlx_matrix import MatrixForm
-from .mlx_ops import SequentialForm, _Decoder, _Symbols
+from .mlx_ops import SequentialForm
 
 
 class MLXBackend:
@@ -18,7 +20,7 @@ class MLXBackend:
 
     def __init__(self, rec):
         self.rec = rec
-        self.table = _Symbols(rec)
+        self.table = SymbolTable(rec)
         # the whole steps, for inspection (``rec.source(..., backend="mlx")``) and the reference
         self.forward_step = render_mlx(rec.forward_program, "forward_step")
         self.backward_step = render_mlx(rec.adjoint.program, "backward_step")
@@ -60,13 +62,13 @@ class MLXBackend:
         return self.sequential
 
     # -- the decode path -------------------------------------------------------------------------
-    def decoder(self, sizes, out_dtype) -> _Decoder:
+    def decoder(self, sizes, out_dtype) -> Decoder:
         """The decode path of calls of these sizes (a few steps, see ``function.CallPlan``)."""
-        return _Decoder(self, sizes, out_dtype)
+        return Decoder(self, sizes, out_dtype)
 
     @functools.cached_property
     def decode_step(self) -> MLXStep:
-        """The whole forward step on arrays laid out state axis before lane (``_Decoder``)."""
+        """The whole forward step on arrays laid out state axis before lane (``Decoder``)."""
         return render_mlx(self.rec.forward_program, "decode_step", state_axis=-2)
 
     def forward(self, inputs, states, sizes, seg, out_dtype, schedule="sequential", kernels=None):

@@ -36,7 +36,8 @@ import mlx.core as mx
 from ..affine import outputs_of_updated_state
 from ..layout import canonical_shape
 from ..render.mlx_ops import render_mlx
-from .mlx_ops import SequentialForm, _Block, _after, _concat, _fit, _write
+from .mlx_blocks import Block, computed_after, concat, fit, write
+from .mlx_ops import SequentialForm
 
 
 def _shift(x, d: int, fill: float):
@@ -194,7 +195,7 @@ class ChunkedForm(SequentialForm):
             self.slot_index[slot] = i
 
     # -- one segment ---------------------------------------------------------------------------
-    def _segment(self, carry: dict, block: _Block, sizes):
+    def _segment(self, carry: dict, block: Block, sizes):
         """The outputs of a block of steps (time-major) and the states after each step."""
         spec, table = self.rec.spec, self.table
         T = block.steps
@@ -208,13 +209,13 @@ class ChunkedForm(SequentialForm):
             K = blk.size
             A = [[_timed(res[self.slot_index[self._product(bi, i, j).slot]], T, len(shapes[i]))
                   for j in range(K)] for i in range(K)]
-            b = [_fit(res[self.slot_index[s]], sh) for s, sh in zip(blk.slots, shapes)]
+            b = [fit(res[self.slot_index[s]], sh) for s, sh in zip(blk.slots, shapes)]
             h0 = [carry[s] for s in syms]
             # the checkpoint is a state, not the structure of a map: IEEE's product, as the
             # sequential step forms it
             first = [sum((A[i][k][:1] * h0[k] for k in range(K)), start=b[i][:1])
                      for i in range(K)]
-            b = [_concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
+            b = [concat([f, x[1:]]) if T > 1 else f for f, x in zip(first, b)]
             # a non-finite multiplier: from a zero state, inf * 0 or NaN * 0 in the sequential
             # steps (the first step's IEEE product forms it itself)
             hits = functools.reduce(mx.logical_or,
@@ -226,10 +227,10 @@ class ChunkedForm(SequentialForm):
             outs = self._call(self.outputs_after, after, block)
             outs = [outs[i] for i in self.after_order]
         else:
-            entered = {s: _concat([carry[s], after[s][:-1]]) if T > 1 else carry[s]
+            entered = {s: concat([carry[s], after[s][:-1]]) if T > 1 else carry[s]
                        for s in table.states}
             outs = self._call(self.forward_chain.post, entered, block)
-        blocks = [_fit(y, (T, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
+        blocks = [fit(y, (T, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
                                                 with_time=False)))
                   for (_, slot), y in zip(self.forward_chain.post.results, outs)]
         return blocks, {s: after[s][-1:] for s in table.states}
@@ -250,8 +251,8 @@ class ChunkedForm(SequentialForm):
             checkpoints.append(carry)
             block = self._slice(values, start, min(L, start + seg), ones)
             outs, carry = self._segment(carry, block, sizes)
-            buffers = [_write(b, y, start, L) for b, y in zip(buffers, outs)]
-            carry = _after(carry, outs)
+            buffers = [write(b, y, start, L) for b, y in zip(buffers, outs)]
+            carry = computed_after(carry, outs)
         return self._forward_results(buffers, checkpoints, carry, out_dtype)
 
     # -- backward ------------------------------------------------------------------------------
@@ -276,21 +277,21 @@ class ChunkedForm(SequentialForm):
                 carry = dict(zip(table.states, arrays[:n_state]))
                 vals = dict(block.values)
                 vals.update(zip(keys, arrays[n_state:]))
-                outs, end = self._segment(carry, _Block(vals, block.steps, ones), sizes)
+                outs, end = self._segment(carry, Block(vals, block.steps, ones), sizes)
                 # an output may be the end state itself (``y = h'`` over one step): a VJP takes
                 # one cotangent per distinct array, so the end states are made distinct
                 return (*outs, *(end[x] * 1.0 for x in table.states))
 
             primals = [checkpoints[x][s:s + 1] for x in table.states] + [block.values[k] for k in keys]
-            cot = [_fit(d_values[k][lo:hi], (hi - lo, *canonical_shape(
+            cot = [fit(d_values[k][lo:hi], (hi - lo, *canonical_shape(
                 spec, spec.outputs[k[0]], sizes, with_time=False))) for k in out_slots]
-            cot += [_fit(lam[x], checkpoints[x][s:s + 1].shape) for x in table.states]
+            cot += [fit(lam[x], checkpoints[x][s:s + 1].shape) for x in table.states]
             _, vjps = mx.vjp(segment, primals, cot)
             lam = dict(zip(table.states, vjps[:n_state]))
             if d_residuals is not None:
                 lam = {x: lam[x] + d_residuals[i][s:s + 1] for i, x in enumerate(table.states)}
             grads = dict(zip(keys, vjps[n_state:]))
-            lam = _after(lam, list(grads.values()))
+            lam = computed_after(lam, list(grads.values()))
             self._collect(grads, step_grads, param_grads, lo, L)
         grads = self._input_grads(inputs, step_grads, param_grads, sizes)
         d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.states), states)]

@@ -48,7 +48,8 @@ from ..spec import Slot
 from .matrix_chunks import MatrixChunks, carry, causal_weights, parity, product
 from .matrix_kernels import enabled as kernels_enabled
 from .matrix_kernels import kernel_chunk, kernel_flags, matrix_kernels
-from .mlx_ops import COMPILED_SIZES, SequentialForm, _Block
+from .mlx_blocks import Block
+from .mlx_ops import COMPILED_SIZES, SequentialForm
 
 LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
 SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
@@ -639,7 +640,7 @@ class MatrixForm(SequentialForm):
         return mx.swapaxes(init, -1, -2)
 
     def _block(self, values, T, sizes):
-        return _Block(values, T, self._ones(sizes))
+        return Block(values, T, self._ones(sizes))
 
     def _results(self, outs, finals, out_dtype, sizes):
         spec = self.rec.spec

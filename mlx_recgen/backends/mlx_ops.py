@@ -8,7 +8,8 @@ adjoint over the segment.
 
 How the time loop is computed is a *form*; ``MLXBackend.form`` (``mlx_backend.py``) is the one
 place where the form of a call is chosen, from the schedule that ``schedule.choose`` picked.
-This module holds the plumbing the forms share and the first form; three forms:
+This module holds the first form; the plumbing the forms share is ``mlx_blocks.py``, and the
+decode path of short calls ``mlx_decode.py``. Three forms:
 
 * ``SequentialForm``, for any spec. Each step program is split (``phases.split``) around its
   carry (the state forward, ``λ`` backward): only the carry chain runs step by step, with as few
@@ -35,54 +36,16 @@ any transform runs each forward segment as compiled calls of at most ``unroll`` 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..layout import (canonical_shape, declared_shape, expand_groups, expanded, from_time_major,
-                      sum_groups, sum_to, to_time_major)
+from ..layout import (canonical_shape, expand_groups, expanded, from_time_major, sum_groups, sum_to,
+                      to_time_major)
 from ..memo import LRU
 from ..phases import Phases, split
 from ..render.mlx_ops import MLXStep, render_mlx
-
-
-class _Symbols:
-    """Where each symbol of the step programs comes from, and its canonical step shape."""
-
-    def __init__(self, rec):
-        spec = self.spec = rec.spec
-        self.key = {}  # symbol -> (kind, (tensor, component))
-        for slot, sym in spec.symbols.items():
-            kind = "state" if slot.tensor in spec.states else "input"
-            self.key[sym] = (kind, (slot.tensor, slot.component))
-        for slot, sym in rec.adjoint.output_cotangents.items():
-            self.key[sym] = ("d_output", (slot.tensor, slot.component))
-        for slot, sym in rec.adjoint.state_cotangents.items():
-            self.key[sym] = ("d_state", (slot.tensor, slot.component))
-        self.states = [spec.symbols[s] for s in spec.state_slots()]
-        self.lambdas = [rec.adjoint.state_cotangents[s] for s in spec.state_slots()]
-        self.state_of = dict(zip(self.lambdas, self.states))
-
-    def step_shape(self, sym, sizes) -> tuple:
-        """The canonical shape of one step of ``sym`` (no time axis)."""
-        sym = self.state_of.get(sym, sym)
-        _, (tensor, _) = self.key[sym]
-        return canonical_shape(self.spec, self.spec.tensors[tensor], sizes, with_time=False)
-
-    def timed(self, sym) -> bool:
-        kind, (tensor, _) = self.key[sym]
-        return kind != "input" or self.spec.inputs[tensor].has_time
-
-
-@dataclass
-class _Block:
-    """The arrays of a run of ``steps`` steps, by (tensor, component): per-step values with a
-    leading time axis, parameters without; ``ones`` spans the state axis."""
-
-    values: dict
-    steps: int
-    ones: mx.array
+from .mlx_blocks import Block, SymbolTable, computed_after, concat, fit, write
 
 
 @dataclass
@@ -121,42 +84,6 @@ def _power_runs(start: int, stop: int, longest: int):
         lo = hi
 
 
-def _fit(x, shape) -> mx.array:
-    x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
-    return x if tuple(x.shape) == tuple(shape) else mx.broadcast_to(x, shape)
-
-
-def _concat(xs: list) -> mx.array:
-    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
-
-
-def _after(carry: dict, results) -> dict:
-    """``carry`` unchanged, but computed after ``results``. MLX evaluates a lazy graph from its
-    outputs: a segment's results, used only at the very end, would wait for every later
-    segment and keep every segment's working arrays alive together. A select on a false
-    condition is exact whatever it reads (no ``0 * x``: x may be inf) and, unlike
-    ``mx.depends``, it vmaps."""
-    probes = [r.reshape(-1)[:1] for r in results if isinstance(r, mx.array)]
-    if not probes:
-        return carry
-    probe = probes[0] if len(probes) == 1 else mx.concatenate(probes)[:1]
-    never = mx.array(False)
-    return {s: mx.where(never, probe.astype(v.dtype), v) for s, v in carry.items()}
-
-
-def _write(buffer, block, start: int, length: int):
-    """``block`` written at ``start`` along the time axis of ``buffer`` (a zero buffer of
-    ``length`` steps when ``buffer`` is None). Blocks are chained into one buffer rather than
-    concatenated at the end, so that MLX evaluates each segment's results as soon as the
-    segment is done and frees its working arrays (a final concatenation would keep every
-    segment's inputs alive until all segments are computed)."""
-    if buffer is None:
-        if block.shape[0] == length:
-            return block
-        buffer = mx.zeros((length, *block.shape[1:]), dtype=block.dtype)
-    return mx.slice_update(buffer, block, mx.array([start]), axes=(0,))
-
-
 # The compiled forward blocks a form keeps: one per shape of the axes other than time.
 COMPILED_SIZES = 16
 
@@ -167,7 +94,7 @@ class SequentialForm:
     name = "sequential"
     unroll = 64  # the most steps one compiled forward call unrolls (a segment may be longer)
 
-    def __init__(self, rec, table: _Symbols):
+    def __init__(self, rec, table: SymbolTable):
         self.rec, self.table = rec, table
         spec, namer = rec.spec, rec.ir.namer
         fwd = split(rec.forward_program, table.states, "state", namer)
@@ -192,24 +119,24 @@ class SequentialForm:
                          for c in (ch.pre, ch.sweep, ch.post))
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _call(self, step: MLXStep, env: dict, block: _Block):
+    def _call(self, step: MLXStep, env: dict, block: Block):
         """Call a rendered phase, its arguments from ``env``, else from ``block``."""
         args = [block.ones] if step.needs_state_ones else []
         for sym in step.args:
             args.append(env[sym] if sym in env else block.values[self.table.key[sym][1]])
         return step.fn(*args)
 
-    def _slice(self, values: dict, start: int, end: int, ones) -> _Block:
+    def _slice(self, values: dict, start: int, end: int, ones) -> Block:
         """The block of steps [start, end) of the call's arrays."""
         spec = self.rec.spec
         timed = {k for k in values if k[0] not in spec.inputs or spec.inputs[k[0]].has_time}
-        return _Block({k: x[start:end] if k in timed else x for k, x in values.items()},
+        return Block({k: x[start:end] if k in timed else x for k, x in values.items()},
                       end - start, ones)
 
     def _rank(self) -> int:
         return len(self.rec.spec.batch_axes) + 3
 
-    def _run_chain(self, chain: _Chain, carry: dict, block: _Block, env: dict, per_step: dict,
+    def _run_chain(self, chain: _Chain, carry: dict, block: Block, env: dict, per_step: dict,
                    final: bool = True):
         """Run a carry chain over the steps of ``block``. ``env`` holds block values besides the
         block's own (with a time axis), ``per_step`` lists of per-step values. Returns the
@@ -238,12 +165,12 @@ class SequentialForm:
             if j == order[-1] and not final:
                 break
             new = fn(*[state[i] if i is not None else col[j] for i, col in columns])
-            state = [_fit(x, sh) for x, sh in zip(new, shapes)]
+            state = [fit(x, sh) for x, sh in zip(new, shapes)]
         entered = [dict(zip(chain.carry, c)) for c in entered]
         return entered, (dict(zip(chain.carry, state)) if final else None)
 
     def _stacked(self, entered: list, symbols) -> dict:
-        return {s: _concat([c[s] for c in entered]) for s in symbols}
+        return {s: concat([c[s] for c in entered]) for s in symbols}
 
     def _initial(self, arrays, symbols, sizes) -> dict:
         """Carries ``(1, *step shape)`` from arrays in the declared state layout."""
@@ -302,13 +229,13 @@ class SequentialForm:
         return mx.ones((sizes[spec.state_axis] if spec.state_axis else 1,))
 
     # -- forward -------------------------------------------------------------------------------
-    def _forward_block(self, carry: dict, block: _Block, sizes):
+    def _forward_block(self, carry: dict, block: Block, sizes):
         """The outputs of a block of steps (time-major) and the carry after it."""
         spec = self.rec.spec
         entered, carry = self._run_chain(self.forward_chain, carry, block, {}, {})
         stacked = self._stacked(entered, self.table.states)
         outs = self._call(self.forward_chain.post, stacked, block)
-        blocks = [_fit(y, (block.steps, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
+        blocks = [fit(y, (block.steps, *canonical_shape(spec, spec.outputs[slot.tensor], sizes,
                                                           with_time=False)))
                   for (_, slot), y in zip(self.forward_chain.post.results, outs)]
         return blocks, carry
@@ -321,7 +248,7 @@ class SequentialForm:
         values = dict(zip(keys, arrays[n:]))
         steps = next((x.shape[0] for k, x in values.items() if self.rec.spec.inputs[k[0]].has_time), 1)
         sizes = dict(sizes)
-        blocks, carry = self._forward_block(carry, _Block(values, steps, self._ones(sizes)), sizes)
+        blocks, carry = self._forward_block(carry, Block(values, steps, self._ones(sizes)), sizes)
         return (*blocks, *(carry[s] for s in self.table.states))
 
     def forward(self, inputs, states, sizes, seg, out_dtype):
@@ -342,8 +269,8 @@ class SequentialForm:
                 block = self._slice(values, lo, hi, None)
                 res = compiled(keys, frozen_sizes, *(carry[s] for s in table.states),
                                            *(block.values[k] for k in keys))
-                buffers = [_write(b, y, lo, L) for b, y in zip(buffers, res[:n_out])]
-                carry = _after(dict(zip(table.states, res[n_out:])), res[:n_out])
+                buffers = [write(b, y, lo, L) for b, y in zip(buffers, res[:n_out])]
+                carry = computed_after(dict(zip(table.states, res[n_out:])), res[:n_out])
         return self._forward_results(buffers, checkpoints, carry, out_dtype)
 
     def _forward_results(self, buffers, checkpoints, carry, out_dtype):
@@ -351,7 +278,7 @@ class SequentialForm:
         the order of the forward's ``post`` stores) in their declared layouts, and the
         checkpoints stacked per state."""
         table = self.table
-        residuals = [_concat([c[s] for c in checkpoints]) for s in table.states]
+        residuals = [concat([c[s] for c in checkpoints]) for s in table.states]
         parts = {(slot.tensor, slot.component): b
                  for (_, slot), b in zip(self.forward_chain.post.results, buffers)}
         return self._outputs(parts, out_dtype), self._declared(carry, table.states), residuals
@@ -387,7 +314,7 @@ class SequentialForm:
                 seeds = self._shares({l: d_residuals[i][s:s + 1]
                                       for i, l in enumerate(table.lambdas)}, sizes)
                 lam = {l: lam[l] + seeds[l] for l in table.lambdas}
-            lam = _after(lam, list(grads.values()))
+            lam = computed_after(lam, list(grads.values()))
             self._collect(grads, step_grads, param_grads, s * seg, L)
         grads = self._input_grads(inputs, step_grads, param_grads, sizes)
         d_init = [d.astype(x.dtype) for d, x in zip(self._declared(lam, table.lambdas), states)]
@@ -398,7 +325,7 @@ class SequentialForm:
         parameter ones summed."""
         for key, g in grads.items():
             if self.rec.spec.inputs[key[0]].has_time:
-                step_grads[key] = _write(step_grads.get(key), g, start, L)
+                step_grads[key] = write(step_grads.get(key), g, start, L)
             else:
                 param_grads[key] = g + param_grads[key] if key in param_grads else g
 
@@ -416,7 +343,7 @@ class SequentialForm:
             grads.append(sum_groups(spec, t, g, sizes).astype(x.dtype))
         return grads
 
-    def _backward_segment(self, entered: list, lam: dict, block: _Block, sizes):
+    def _backward_segment(self, entered: list, lam: dict, block: Block, sizes):
         """λ before the segment and the input-gradient blocks of the segment, given the states
         that entered each of its steps and λ after it."""
         spec, table = self.rec.spec, self.table
@@ -433,167 +360,4 @@ class SequentialForm:
             grads[(slot.tensor, slot.component)] = sum_to(g, (block.steps, *shape) if t.has_time
                                                           else shape)
         return lam, grads
-class _Layout:
-    """Declared layout <-> the decode layout ``([time], batch axes..., state axis, lane)`` of
-    one tensor (size 1 on the axes it lacks, one array per component), as a transpose and a
-    reshape worked out once per plan. State axis before lane: the state's sums then run over
-    rows of lanes, which the CPU adds as vectors (about a third less time per gated DeltaNet
-    step than sums along the last axis), and a state declared so (``[B, H, K, V]``) needs no
-    copy."""
 
-    def __init__(self, spec, t, sizes, with_time: bool):
-        self.t, self.components = t, t.components
-        self.groups = any(a in spec.groups for a in t.batch_axes)
-        t = expanded(spec, t)
-        target = ([spec.time] if with_time else []) + list(spec.batch_axes) + \
-            [spec.state_axis or "__state__", spec.lane]
-        named = [a for a in t.axes if isinstance(a, str)]
-        present = [a for a in target if a in named]
-        comp = [i for i, a in enumerate(t.axes) if isinstance(a, int)]
-        self.perm = [t.axes.index(a) for a in present] + comp
-        self.shape = [sizes[a] if a in named else 1 for a in target]
-        self.present_shape = [sizes[a] for a in present] + ([t.components] if comp else [])
-        # back: the present axes in declared order (components last, then moved into place)
-        order = [present.index(a) if isinstance(a, str) else len(present) for a in t.axes]
-        self.back = order
-        # the ops of each arrangement, by the shape of the array arranged (decided once: a
-        # decode step's layouts are arranged every call, and the decisions cost more Python
-        # than the ops they leave out)
-        self._to_parts, self._to_declared = {}, {}
-
-    def parts(self, spec, x, sizes) -> list:
-        if self.groups:
-            x = expand_groups(spec, self.t, x, sizes)
-        ops = self._to_parts.get(x.shape)
-        if ops is None:
-            ops = self._to_parts[x.shape] = _arrangement(
-                x.shape, self.perm, self.shape + ([self.components] if self.components > 1
-                                                  else []))
-        x = _arranged(x, *ops)
-        if self.components == 1:
-            return [x]
-        # a slice, not x[..., c] (a gather, whose vjp has no jvp)
-        return [mx.squeeze(x[..., c:c + 1], axis=-1) for c in range(self.components)]
-
-    def declared(self, parts: list) -> mx.array:
-        x = mx.stack(parts, axis=-1) if self.components > 1 else parts[0]
-        ops = self._to_declared.get(x.shape)
-        if ops is None:
-            flat = _arrangement(x.shape, list(range(x.ndim)), self.present_shape)
-            ops = self._to_declared[x.shape] = (flat, _arrangement(
-                tuple(self.present_shape), self.back,
-                [self.present_shape[i] for i in self.back]))
-        return _arranged(_arranged(x, *ops[0]), *ops[1])
-
-
-def _arrangement(shape, perm, target) -> tuple:
-    """``(perm or None, target or None)``: the transpose and the reshape that take an array of
-    ``shape`` to ``reshape(transpose(x, perm), target)`` in as few ops as the sizes allow. A
-    transpose that keeps the order of the axes of size > 1 (a decode step's time and batch axes
-    are often of size 1) moves no element and is left out, and so is a reshape to the shape the
-    array has."""
-    moved = [i for i in perm if shape[i] > 1]
-    transpose = moved != sorted(moved)
-    after = tuple(shape[i] for i in perm) if transpose else tuple(shape)
-    return (perm if transpose else None), (None if after == tuple(target) else tuple(target))
-
-
-def _arranged(x, perm, shape) -> mx.array:
-    """``x`` transposed by ``perm`` and reshaped to ``shape``, each where not None
-    (``_arrangement``)."""
-    if perm is not None:
-        x = mx.transpose(x, perm)
-    return x if shape is None else mx.reshape(x, shape)
-
-
-COMPILE_MAX_STATE = 4096  # state elements per call up to which the decode path is compiled
-
-
-class _Decoder:
-    """The decode path of one plan: ``decoder(*inputs, *initial states) -> (*outputs, *final
-    states)``, the whole step (``MLXBackend.decode_step``: state update and outputs in one pass)
-    once per step as plain MLX ops in the ``_Layout`` worked out for the plan's sizes; no
-    checkpoints. MLX's own transforms differentiate (a few steps' states are cheap to keep),
-    vmap and compile it. Calls whose states hold at most ``COMPILE_MAX_STATE`` elements run it
-    ``mx.compile``d: there the ops' dispatch dominates and compiling fuses it away (a tiny
-    gated DeltaNet step, H4 K=V=8: 42 against 67 µs on the CPU, mlx 0.32); larger states run
-    the plain ops, which the CPU runs faster than the compiled step (H16 K=V=128: 423 against
-    494 µs)."""
-
-    def __init__(self, backend, sizes: dict, out_dtype):  # an MLXBackend (mlx_backend.py)
-        spec, table = backend.rec.spec, backend.table
-        self.spec, self.out_dtype, self.sizes = spec, out_dtype, dict(sizes)
-        self.step = step = backend.decode_step
-        self.steps = sizes[spec.time]
-        self.inputs = [_Layout(spec, t, sizes, t.has_time) for t in spec.inputs.values()]
-        self.states = [_Layout(spec, t, sizes, False) for t in spec.states.values()]
-        self.outputs = [_Layout(spec, t, sizes, True) for t in spec.outputs.values()]
-        ns = sizes[spec.state_axis] if spec.state_axis else 1
-        self.ones = step.needs_state_ones
-        self.ns = ns
-        # where each argument of the step comes from: ("state", index of the state part) or
-        # ("input", index of the input part, whether it has the time axis)
-        state_parts = [(t.name, c) for t in spec.states.values() for c in range(t.components)]
-        input_parts = [(t.name, c) for t in spec.inputs.values() for c in range(t.components)]
-        self.sources = []
-        for sym in step.args:
-            kind, part = table.key[sym]
-            if kind == "state":
-                self.sources.append((True, state_parts.index(part), False))
-            else:
-                self.sources.append((False, input_parts.index(part),
-                                     spec.inputs[part[0]].has_time))
-        outputs_parts = [(t.name, c) for t in spec.outputs.values() for c in range(t.components)]
-        self.results = [(kind == "state", (state_parts if kind == "state" else outputs_parts)
-                         .index((slot.tensor, slot.component))) for kind, slot in step.results]
-        self.n_in, self.n_out_parts = len(spec.inputs), len(outputs_parts)
-        state_elements = sum(math.prod(declared_shape(t, sizes)) for t in spec.states.values())
-        self.compiled = state_elements <= COMPILE_MAX_STATE
-        self._run = mx.compile(self._steps) if self.compiled else self._steps
-
-    def __call__(self, *arrays):
-        return self._run(*arrays)
-
-    def _steps(self, *arrays):
-        spec, sizes = self.spec, self.sizes
-        inputs = []
-        for t, layout, x in zip(spec.inputs.values(), self.inputs, arrays[:self.n_in]):
-            if not t.differentiable:  # read as fp32: no gradient flows back to it
-                x = mx.stop_gradient(x)
-            if x.dtype != mx.float32:
-                x = x.astype(mx.float32)
-            inputs += layout.parts(spec, x, sizes)
-        state = []
-        for layout, x in zip(self.states, arrays[self.n_in:]):
-            x = x if x.dtype == mx.float32 else x.astype(mx.float32)
-            state += [mx.expand_dims(p, 0) for p in layout.parts(spec, x, sizes)]
-        shapes = [x.shape for x in state]
-        ones = [mx.ones((self.ns, 1))] if self.ones else []
-        per_step = [[] for _ in range(self.n_out_parts)]
-        fn = self.step.fn
-        one = self.steps == 1  # a decode step: the inputs' time axis is the step already
-        for j in range(self.steps):
-            args = [state[i] if is_state else inputs[i][j:j + 1] if timed and not one
-                    else inputs[i] for is_state, i, timed in self.sources]
-            new = list(state)
-            for (is_state, i), x in zip(self.results, fn(*ones, *args)):
-                if is_state:
-                    new[i] = _fit(x, shapes[i])
-                else:
-                    per_step[i].append(x)
-            state = new
-        outs, k = [], 0
-        for layout in self.outputs:
-            parts = []
-            for _ in range(layout.components):
-                shape = (1, *layout.shape[1:])
-                parts.append(_concat([_fit(x, shape) for x in per_step[k]]))
-                k += 1
-            y = layout.declared(parts)
-            outs.append(y if y.dtype == self.out_dtype else y.astype(self.out_dtype))
-        finals, k = [], 0
-        for layout in self.states:
-            finals.append(layout.declared([mx.squeeze(x, axis=0)
-                                           for x in state[k:k + layout.components]]))
-            k += layout.components
-        return (*outs, *finals)
