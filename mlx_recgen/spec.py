@@ -416,7 +416,56 @@ def _spec_name(fn, name) -> str:
 
 
 def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=None) -> Spec:
+    """The spec of the body ``fn``: its declarations checked, the axis roles inferred, the body
+    traced and its state updates and outputs read back (``recurrence``'s arguments)."""
     spec_name = _spec_name(fn, name)
+    _check_declarations(spec_name, lane, time, state, inputs, outputs)
+    raw = {}
+    for kind, group in (("state", state), ("input", inputs), ("output", outputs)):
+        for tname, text in group.items():
+            raw[tname] = (kind, _parse_axes(spec_name, tname, text))
+    batch_axes = _batch_axes(spec_name, raw, time, lane)
+    groups = _check_groups(spec_name, groups, raw, batch_axes, time, lane)
+    state_axis = _state_axis(spec_name, raw, batch_axes, time, lane)
+    tensors = _tensors(spec_name, raw, batch_axes, groups, time, lane, state_axis)
+    declared = list(state) + list(inputs)
+    index_name = _index_name(spec_name, fn, declared, state_axis)
+
+    tracer = Tracer(spec_name, tensors, state_axis, index_name)
+    kwargs = {tname: tracer.argument_for(tensors[tname]) for tname in declared}
+    if index_name:
+        kwargs[index_name] = StateIndex(index_name)
+    try:
+        result, local_vars = _run_capturing_locals(fn, kwargs)
+    except SpecError:
+        raise
+    except Exception as exc:  # the body is user code: report it in the spec's terms
+        raise SpecError(spec_name, _explain_body_error(exc)) from exc
+
+    updates = _state_updates(spec_name, {t: kwargs[t] for t in state}, local_vars, tensors, tracer)
+    output_exprs = _output_exprs(spec_name, result, outputs, tensors)
+    reduce_names = {}
+    for lname, value in local_vars.items():
+        if isinstance(value, Reduce) and lname.isidentifier():
+            reduce_names.setdefault(value, lname)
+
+    spec = Spec(
+        name=spec_name, doc=inspect.getdoc(fn) or "", time=time, lane=lane,
+        batch_axes=tuple(batch_axes), state_axis=state_axis, index_name=index_name,
+        states={t: tensors[t] for t in state}, inputs={t: tensors[t] for t in inputs},
+        outputs={t: tensors[t] for t in outputs}, symbols=dict(tracer.symbols),
+        vector_symbols=frozenset(tracer.vector_symbols), state_updates=updates,
+        output_exprs=output_exprs, reduce_names=reduce_names,
+        source_file=inspect.getsourcefile(fn), groups=groups,
+    )
+    _validate_expressions(spec)
+    _warn_unread_inputs(spec)
+    return spec
+
+
+def _check_declarations(spec_name, lane, time, state, inputs, outputs):
+    """The declarations' own form: non-empty dicts of tensors with distinct identifier names,
+    none named like a call option; the lane and time axes two different axis names."""
     for arg, value in (("state", state), ("inputs", inputs), ("outputs", outputs)):
         if not isinstance(value, dict) or not value:
             raise SpecError(spec_name, f"'{arg}' must be a non-empty dict of name -> axes")
@@ -438,12 +487,10 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
         raise SpecError(spec_name, f"input '{clashes[0]}' is named like an option of the call; "
                                    f"the call's options {list(CALL_OPTIONS)} cannot name inputs")
 
-    raw = {}
-    for kind, group in (("state", state), ("input", inputs), ("output", outputs)):
-        for tname, text in group.items():
-            raw[tname] = (kind, _parse_axes(spec_name, tname, text))
 
-    # Batch-like axes: what outputs carry besides time, lane and components.
+def _batch_axes(spec_name, raw, time, lane) -> list:
+    """The batch-like axes: what the outputs carry besides time, lane and components, in the
+    order they first appear; every output carries time, lane and all of them."""
     batch_axes = []
     for tname, (kind, axes) in raw.items():
         if kind != "output":
@@ -455,7 +502,6 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
         for a in axes:
             if isinstance(a, str) and a not in (time, lane) and a not in batch_axes:
                 batch_axes.append(a)
-
     for tname, (kind, axes) in raw.items():
         if kind == "output":
             lacking = [b for b in batch_axes if b not in axes]
@@ -463,11 +509,13 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
                 raise SpecError(spec_name, f"output '{tname}' lacks the batch axis '{lacking[0]}' "
                                            "that other outputs carry; every output carries every "
                                            "batch-like axis")
+    return batch_axes
 
-    groups = _check_groups(spec_name, groups, raw, batch_axes, time, lane)
 
-    # The state axis: what states carry besides lane, batch and components. A state without the
-    # lane axis is shared by the lanes of an instance.
+def _state_axis(spec_name, raw, batch_axes, time, lane):
+    """The state axis (None if none): what states carry besides lane, batch and components; at
+    most one. States carry every batch axis and never time; a state without the lane axis is
+    shared by the lanes of an instance."""
     state_axes = []
     for tname, (kind, axes) in raw.items():
         if kind != "state":
@@ -486,8 +534,12 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
                                    "axis (besides lane, batch and a component axis) is supported. "
                                    "A state axis is one that states carry and outputs do not: a "
                                    "batch axis must be carried by every output")
-    state_axis = state_axes[0] if state_axes else None
+    return state_axes[0] if state_axes else None
 
+
+def _tensors(spec_name, raw, batch_axes, groups, time, lane, state_axis) -> dict:
+    """Each declared tensor (name -> ``Tensor``) with its axis roles; an axis outside every role
+    is an error."""
     known = set(batch_axes) | set(groups) | {time, lane} | ({state_axis} if state_axis else set())
     tensors = {}
     for tname, (kind, axes) in raw.items():
@@ -506,10 +558,13 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
             has_state_axis=state_axis is not None and state_axis in axes,
             components=comps[0] if comps else 1, batch_axes=tuple(carried),
         )
+    return tensors
 
-    # Body parameters: states and inputs by name, then the state index.
+
+def _index_name(spec_name, fn, declared, state_axis):
+    """The body's parameter for the state axis (None without one): the body takes the states
+    and inputs by name, then exactly one index where the spec has a state axis."""
     params = list(inspect.signature(fn).parameters)
-    declared = list(state) + list(inputs)
     extra = [p for p in params if p not in declared]
     missing = [d for d in declared if d not in params]
     if missing:
@@ -526,24 +581,12 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
             f"'{state_axis}' is a batch axis, every output must carry it)")
         raise SpecError(spec_name, f"the body needs exactly one index parameter for the state "
                                    f"axis '{state_axis}' (after the tensors), got {extra}{hint}")
-    index_name = extra[0] if extra else None
+    return extra[0] if extra else None
 
-    tracer = Tracer(spec_name, tensors, state_axis, index_name)
-    kwargs = {}
-    for tname in declared:
-        kwargs[tname] = tracer.argument_for(tensors[tname])
-    if index_name:
-        kwargs[index_name] = StateIndex(index_name)
-    state_args = {t: kwargs[t] for t in state}
 
-    try:
-        result, local_vars = _run_capturing_locals(fn, kwargs)
-    except SpecError:
-        raise
-    except Exception as exc:  # the body is user code: report it in the spec's terms
-        raise SpecError(spec_name, _explain_body_error(exc)) from exc
-
-    # New state values: item assignment on indexables, rebinding for plain scalar states.
+def _state_updates(spec_name, state_args, local_vars, tensors, tracer) -> dict:
+    """The new value of each state slot (``Slot`` -> expression) after the traced body: item
+    assignment on indexables, rebinding for plain scalar states; every state updated."""
     updates = {}
     for tname, arg in state_args.items():
         t = tensors[tname]
@@ -557,12 +600,18 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
         else:
             updates[Slot(tname, 0)] = sympy.sympify(local_vars.get(tname, arg))
 
-    old = {Slot(t, c): tracer.symbols[Slot(t, c)] for t in state for c in range(tensors[t].components)}
-    for tname in state:
+    old = {Slot(t, c): tracer.symbols[Slot(t, c)]
+           for t in state_args for c in range(tensors[t].components)}
+    for tname in state_args:
         slots = [s for s in updates if s.tensor == tname]
         if all(updates[s] == old[s] for s in slots):
             raise SpecError(spec_name, f"state '{tname}' is never updated by the body")
+    return updates
 
+
+def _output_exprs(spec_name, result, outputs, tensors) -> dict:
+    """Each output slot's expression (``Slot`` -> expression) from the dict the body returns:
+    every declared output, nothing else, one value per component."""
     if not isinstance(result, dict):
         raise SpecError(spec_name, f"the body must return a dict of outputs {list(outputs)}, "
                                    f"got {type(result).__name__}")
@@ -584,24 +633,7 @@ def build_spec(fn, *, lane, time="L", state, inputs, outputs, name=None, groups=
                 output_exprs[Slot(oname, c)] = sympy.sympify(v)
             except sympy.SympifyError as exc:
                 raise SpecError(spec_name, f"output '{oname}' is not an expression: {v!r}") from exc
-
-    vector_symbols = frozenset(tracer.vector_symbols)
-    reduce_names = {}
-    for lname, value in local_vars.items():
-        if isinstance(value, Reduce) and lname.isidentifier():
-            reduce_names.setdefault(value, lname)
-
-    spec = Spec(
-        name=spec_name, doc=inspect.getdoc(fn) or "", time=time, lane=lane,
-        batch_axes=tuple(batch_axes), state_axis=state_axis, index_name=index_name,
-        states={t: tensors[t] for t in state}, inputs={t: tensors[t] for t in inputs},
-        outputs={t: tensors[t] for t in outputs}, symbols=dict(tracer.symbols),
-        vector_symbols=vector_symbols, state_updates=updates, output_exprs=output_exprs,
-        reduce_names=reduce_names, source_file=inspect.getsourcefile(fn), groups=groups,
-    )
-    _validate_expressions(spec)
-    _warn_unread_inputs(spec)
-    return spec
+    return output_exprs
 
 
 def _warn_unread_inputs(spec: Spec):
