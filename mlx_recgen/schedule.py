@@ -95,6 +95,14 @@ CHUNKED_MAX_SEQUENTIAL_WORK = 1 << 19
 MLX_MAX_CHUNK = 64
 # The matrix schedule's chunk: [C, C] decay matrices and [C, K] x [K, V] products per chunk.
 MATRIX_CHUNK = 64
+# Its chunk in MLX ops on the CPU where every decay is a scalar (``matrix_chunk``): there the
+# products run on the CPU's BLAS, whose rate does not grow with their size, and a chunk of 32
+# has half the [C, C] work per step of one of 64 (2-core x86, mlx 0.32.4, gradients of
+# every input, chunks of 16 / 32 / 64: GLA B2 H4 L1024 K=V=32 72 / 55 / 65 ms, B2 H8 L512
+# K=V=64 204 / 134 / 153 ms; gated DeltaNet B2 H4 L512 K=V=64 203 / 191 / 232 ms; Mamba-2
+# B2 L256 H8 P64 N128 98 against 103 ms at 64). HGRN2's vector decay, whose weights take
+# sub-chunks, ran 106 / 102 / 98 ms: vector decays keep MATRIX_CHUNK.
+MATRIX_CHUNK_CPU = 32
 MLX_CHUNK_FLOATS = 1 << 22
 
 
@@ -271,7 +279,7 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
             raise ValueError(f"{spec.name}(): schedule='matrix' needs the matrix form, and "
                              f"{rec.matrix.reason}; use schedule='chunked' or 'sequential'")
         if L > 1:
-            return "matrix", min(seg or MATRIX_CHUNK, L)
+            return "matrix", min(seg or matrix_chunk(rec, backend), L)
         # one step has no product for a matrix unit: a decode step under
         # patch(schedule="matrix") takes what auto picks, the decode path or the sequential
         # kernel (a Mamba-2 model on an H100: 23.5 ms a token as a chunk of one, 8.0 ms)
@@ -444,6 +452,15 @@ def chunk_length(spec: Spec, sizes: dict) -> int:
     while seg > 1 and seg * _state_floats(spec, sizes) > CHUNKED_HISTORY_FLOATS:
         seg //= 2
     return seg
+
+
+def matrix_chunk(rec, backend: str) -> int:
+    """The matrix schedule's chunk when none is given: ``MATRIX_CHUNK_CPU`` in MLX ops on the
+    CPU where every state's decay is a scalar, else ``MATRIX_CHUNK``."""
+    if backend == "mlx" and mx.default_device().type == mx.cpu \
+            and not any(st.vector_decay for st in rec.matrix.states):
+        return MATRIX_CHUNK_CPU
+    return MATRIX_CHUNK
 
 
 def mlx_time_parallel_pays() -> bool:

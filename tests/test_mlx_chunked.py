@@ -147,6 +147,25 @@ def test_auto_picks_chunked_on_mlx_where_expected(monkeypatch):
     assert choose(ssd, ssd_sizes, "auto", None, "mlx")[0] == "sequential"
 
 
+def test_the_matrix_chunk_by_device_and_decay():
+    """The matrix schedule's chunk when none is given: ``MATRIX_CHUNK_CPU`` in MLX ops on the
+    CPU for scalar decays (GLA, gated DeltaNet), ``MATRIX_CHUNK`` for a vector decay (SSD), on
+    a GPU and on the kernel backends; a given ``seg`` is kept."""
+    gla, gdn, ssd = (rg.load_spec(n) for n in ("gla", "gated_deltanet", "ssd"))
+    sizes = dict(B=1, L=1024, H=2, K=8, V=8)
+    ssd_sizes = dict(B=1, L=1024, H=2, P=8, N=8)
+    with mx.stream(mx.cpu):
+        for rec in (gla, gdn):
+            assert choose(rec, sizes, "matrix", None, "mlx") == ("matrix",
+                                                                 schedule.MATRIX_CHUNK_CPU)
+            assert choose(rec, sizes, "matrix", None, "metal-sim") == ("matrix",
+                                                                       schedule.MATRIX_CHUNK)
+            assert choose(rec, sizes, "matrix", 16, "mlx") == ("matrix", 16)
+        assert choose(gdn, sizes, "chunked", None, "mlx") == ("matrix", schedule.MATRIX_CHUNK_CPU)
+        assert choose(ssd, ssd_sizes, "matrix", None, "mlx") == ("matrix", schedule.MATRIX_CHUNK)
+    assert schedule.MATRIX_CHUNK_CPU != schedule.MATRIX_CHUNK
+
+
 # -- transforms ----------------------------------------------------------------------------------
 
 
