@@ -357,7 +357,7 @@ def _summary_updates(ir: StepIR, form: AffineForm, products: list) -> dict:
 
 def _summary_ir(ir: StepIR, products: list, new_state: dict) -> _SummaryIR:
     reads = set().union(*(e.free_symbols for e in new_state.values()))
-    keep = _with_dependencies(ir.reductions, reads)
+    keep = with_dependencies(ir.reductions, reads)
     vector = set(ir.vector) | {p.symbol for p in products if p.pointwise}
     summary = _SummaryIR(ir.spec, keep, new_state, {}, frozenset(vector), ir.namer)
     summary.product_vector = frozenset(p.slot for p in products if p.pointwise)
@@ -383,7 +383,7 @@ def step_maps_program(ir: StepIR, form: AffineForm, products: list) -> Program:
     return schedule_forward(_summary_ir(ir, products, maps))
 
 
-def _with_dependencies(reductions, reads) -> list:
+def with_dependencies(reductions, reads) -> list:
     targets = {r.target: r for r in reductions}
     need = {s for s in reads if s in targets}
     frontier = list(need)
@@ -410,7 +410,7 @@ def outputs_of_updated_state(ir: StepIR):
     outputs = {s: e.xreplace(fresh) for s, e in ir.outputs.items()}
     reads = set().union(*(e.free_symbols for e in outputs.values()))
     reductions = [type(r)(r.target, r.body.xreplace(fresh), r.level)
-                  for r in _with_dependencies(ir.reductions, reads)]
+                  for r in with_dependencies(ir.reductions, reads)]
     exprs = list(outputs.values()) + [r.body for r in reductions]
     if any(e.free_symbols & old for e in exprs):
         return None

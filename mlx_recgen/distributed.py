@@ -92,10 +92,9 @@ import zlib
 import mlx.core as mx
 import numpy as np
 
-from .affine import _with_dependencies
+from .affine import with_dependencies
 from .backends import kernels as _kernels
-from .backends.mlx_chunked import _apply as _apply_term
-from .backends.mlx_chunked import _compose as _compose_term
+from .backends.mlx_chunked import apply_multiplier, compose_multipliers
 from .backends.reference import Evaluator
 from .layout import declared_shape, from_canonical, to_canonical
 from .schedule import MATRIX_CHUNK
@@ -288,9 +287,9 @@ def _matmul(a: dict, b: dict, k: int) -> dict:
     out = {}
     for i in range(k):
         for j in range(k):
-            acc = _compose_term(a[i, 0], b[0, j])
+            acc = compose_multipliers(a[i, 0], b[0, j])
             for m in range(1, k):
-                acc = acc + _compose_term(a[i, m], b[m, j])
+                acc = acc + compose_multipliers(a[i, m], b[m, j])
             out[i, j] = acc
     return out
 
@@ -328,7 +327,7 @@ def chunk_products(rec, inputs, sizes, block_floats: int = PRODUCT_BLOCK_FLOATS)
     entries = {(b, i, j): block.multiplier[i][j] for b, block in enumerate(form.blocks)
                for i in range(block.size) for j in range(block.size)}
     reads = set().union(*(e.free_symbols for e in entries.values()))
-    reductions = _with_dependencies(rec.ir.reductions, reads)
+    reductions = with_dependencies(rec.ir.reductions, reads)
     for r in reductions:
         reads |= r.body.free_symbols
     timed, fixed = {}, {}
@@ -398,7 +397,7 @@ def _apply(form, products: dict, h: dict, transpose: bool = False) -> dict:
     out = {}
     for b, block in enumerate(form.blocks):
         for i, si in enumerate(block.slots):
-            terms = [_apply_term(products[(b, j, i) if transpose else (b, i, j)], h[sj])
+            terms = [apply_multiplier(products[(b, j, i) if transpose else (b, i, j)], h[sj])
                      for j, sj in enumerate(block.slots)]
             acc = terms[0]
             for term in terms[1:]:
@@ -727,10 +726,10 @@ def _then(first, second):
     at zero."""
     (A1, c1, Z1), (A2, c2, Z2) = first, second
     k = len(c1)
-    A = [[sum((_compose_term(A2[i][m], A1[m][j]) for m in range(1, k)),
-              _compose_term(A2[i][0], A1[0][j])) for j in range(k)] for i in range(k)]
-    c = [sum((_apply_term(A2[i][m], c1[m]) for m in range(1, k)),
-             _apply_term(A2[i][0], c1[0]) + c2[i]) for i in range(k)]
+    A = [[sum((compose_multipliers(A2[i][m], A1[m][j]) for m in range(1, k)),
+              compose_multipliers(A2[i][0], A1[0][j])) for j in range(k)] for i in range(k)]
+    c = [sum((apply_multiplier(A2[i][m], c1[m]) for m in range(1, k)),
+             apply_multiplier(A2[i][0], c1[0]) + c2[i]) for i in range(k)]
     Z = None
     if Z1 is not None:
         zero = c1[0] == 0

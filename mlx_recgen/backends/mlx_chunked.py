@@ -11,9 +11,9 @@ segment of ``seg`` steps:
   Hillis-Steele scan composes the affine maps over time in ``ceil(log2 seg)`` rounds of MLX ops,
   ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)`` (elementwise for scalar blocks, explicit sums of
   products for ``K x K`` blocks), giving the state after every step. Its products are
-  ``affine``'s (``_compose``, ``_apply``: a zero state is no term), so that overflow, underflow
-  and infinite gates give what the sequential steps give, and its VJP is the recurrence's
-  (``_scan_function``);
+  ``affine``'s (``compose_multipliers``, ``apply_multiplier``: a zero state is no term), so
+  that overflow, underflow and infinite gates give what the sequential steps give, and its VJP
+  is the recurrence's (``_scan_function``);
 * the outputs are evaluated for the whole segment from the stacked states after each step
   where they read the old state only through its update (``affine.outputs_of_updated_state``:
   one cotangent per updated state, as in the sequential steps), else by the forward program's
@@ -78,7 +78,7 @@ def _product(value):
 
 
 @_product
-def _compose(m, p):
+def compose_multipliers(m, p):
     """``m`` times a product of multipliers: a zero ``p`` is no term (NaN for a NaN ``m``), and
     a product of nonzero factors that underflows is the smallest normal float with its sign."""
     r = mx.where((p == 0) & (m == m), 0.0, m * p)
@@ -87,7 +87,7 @@ def _compose(m, p):
 
 
 @_product
-def _apply(p, h):
+def apply_multiplier(p, h):
     """A composed multiplier applied to a state: 0 for a zero state whatever ``p``."""
     return mx.where(h == 0, 0.0, p * h)
 
@@ -116,10 +116,11 @@ def _hillis_steele(A: list, b: list, Z=None) -> list:
         if Z is not None:  # the earlier maps' hits, and the later ones' where they start at 0
             zero = functools.reduce(mx.logical_and, [x == 0 for x in bb])
             Z = mx.logical_or(_shift(Z, d, False), mx.logical_and(zero, Z))
-        b = [sum((_apply(A[i][k], bb[k]) for k in range(K)), start=b[i]) for i in range(K)]
+        b = [sum((apply_multiplier(A[i][k], bb[k]) for k in range(K)), start=b[i])
+             for i in range(K)]
         if not last:
-            A = [[sum((_compose(A[i][k], Ab[k][j]) for k in range(1, K)),
-                      start=_compose(A[i][0], Ab[0][j]))
+            A = [[sum((compose_multipliers(A[i][k], Ab[k][j]) for k in range(1, K)),
+                      start=compose_multipliers(A[i][0], Ab[0][j]))
                   for j in range(K)] for i in range(K)]
         d *= 2
     return b if Z is None else [mx.where(Z, mx.nan, x) for x in b]
