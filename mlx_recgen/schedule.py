@@ -243,7 +243,8 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     segment summaries) runs ``matrix`` where the matrix form applies. ``chunked`` on a
     recurrence that is not state-affine, and ``matrix`` on one without the matrix form
     (``matrix.analyse``), raise ``ValueError`` saying why. ``seg`` (the checkpoint
-    interval, which is also the chunk length) is chosen when not given; it may exceed ``L``.
+    interval, which is also the chunk length) is chosen when not given (the matrix schedule's
+    by ``matrix_chunk``); it may exceed ``L``.
 
     ``scan`` needs ``scan_misfit`` to find nothing; its ``seg`` is the run of steps of one
     thread (``scan_run``). ``auto`` picks it instead of ``chunked`` on the backends of
