@@ -16,12 +16,11 @@ matrix form's gradients by chunk length (``benchmarks/results/bench-matrix-cpu-p
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 
 import mlx.core as mx
 
 import mlx_recgen as rg
+from bench_models import median_time  # this script's folder is first on sys.path
 
 LAYOUT_SHAPES = ((64, 256, 256, 256), (128, 64, 128, 64), (128, 64, 64, 128), (128, 64, 64, 64))
 CHUNK_CASES = (
@@ -34,13 +33,7 @@ GATES = ("g", "f", "beta")  # inputs drawn in (0.8, 0.99): decays and gates
 
 
 def median_ms(fn, reps=5) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_time(fn, reps) * 1e3
 
 
 def layouts():
