@@ -97,7 +97,7 @@ from .backends import kernels as _kernels
 from .backends.mlx_chunked import apply_multiplier, compose_multipliers
 from .backends.reference import Evaluator
 from .layout import declared_shape, from_canonical, to_canonical
-from .schedule import MATRIX_CHUNK
+from .schedule import matrix_chunk
 from .spec import Slot
 
 HEADER_SIZE = 16
@@ -574,7 +574,8 @@ class _LowRankPasses(_Passes):
                                                                   for st in form.states)
 
     def summarise(self, inputs):
-        maps, ends = self.matrix.run(inputs, self.states.zeros(), self.sizes, MATRIX_CHUNK,
+        chunk = matrix_chunk(self.rec, "mlx")  # the chunk of the matrix form in MLX ops
+        maps, ends = self.matrix.run(inputs, self.states.zeros(), self.sizes, chunk,
                                      transitions=True)
         states = self.matrix.form.states
         # the matrix form's states are (*batch, K, V); canonical ones (*batch, V, K)
