@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..layout import sum_to
+
 
 class MatrixChunks:
     """Arrays ``(*batch, T, X)`` cut into chunks ``(*batch, nc, C, X)``, the time axis padded
@@ -27,15 +29,6 @@ class MatrixChunks:
         return x[(slice(None),) * self.nb + (slice(0, self.T),)]
 
 
-def _summed_to(g, shape):
-    """``g`` summed over the axes that ``shape`` broadcast to reach it (a VJP's reduction)."""
-    extra = g.ndim - len(shape)
-    if extra:
-        g = mx.sum(g, axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    return mx.sum(g, axis=axes, keepdims=True) if axes else g
-
-
 @mx.custom_function
 def _row_major_product(x, y):
     return x @ mx.contiguous(y)
@@ -46,7 +39,7 @@ def _row_major_product_vjp(primals, cotangent, _):
     x, y = primals
     dx = cotangent @ mx.contiguous(mx.swapaxes(y, -1, -2))
     dy = mx.swapaxes(x, -1, -2) @ cotangent
-    return _summed_to(dx, x.shape), _summed_to(dy, y.shape)
+    return sum_to(dx, x.shape), sum_to(dy, y.shape)  # undo the operands' broadcasting
 
 
 def product(x, y):
@@ -56,7 +49,7 @@ def product(x, y):
     (2.7-3.3 against 6.0-6.2 GFLOP/s at the chunks' sizes on 2 x86 cores), and MLX's own VJP of
     ``x @ y`` takes ``cotangent @ yᵀ``. The copies move ``O(n²)`` floats per ``O(n³)`` product.
     Elsewhere (cuBLAS, Metal) a transposed operand costs nothing: plain ``x @ y``."""
-    if mx.default_device() != mx.cpu:
+    if mx.default_device().type != mx.cpu:
         return x @ y
     return _row_major_product(x, y)
 
