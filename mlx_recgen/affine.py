@@ -371,6 +371,25 @@ def summary_program(ir: StepIR, form: AffineForm, products: list) -> Program:
     return schedule_forward(_summary_ir(ir, products, _summary_updates(ir, form, products)))
 
 
+def plain_summary_program(ir: StepIR, form: AffineForm, products: list):
+    """The summary step in IEEE products, for forms whose blocks are all 1 x 1 (else ``None``):
+    ``scale`` and ``compose`` as ``*``, no zero hits (their counts stay at zero).
+
+    A run of this step whose composed multipliers all end finite and nonzero gives the values
+    of ``summary_program`` up to the sign of a zero: a non-finite factor leaves a product of 1 x 1
+    multipliers non-finite (``inf * x`` is infinite or NaN, and stays so), a zero factor or an
+    underflow leaves it zero, so such a run met neither, and with finite nonzero multipliers
+    ``scale``, ``compose`` and ``zero_hit`` are ``m * h``, ``m * p`` and 0. The kernels run it
+    first and the careful step only on runs that fail that test (``recgen_exact``): the careful
+    products are most of a diagonal summary's instructions."""
+    if any(block.size != 1 for block in form.blocks):
+        return None
+    hits = {p.slot for p in products if p.hits}
+    updates = {s: e.replace(scale, lambda m, h: m * h).replace(compose, lambda m, q: m * q)
+               for s, e in _summary_updates(ir, form, products).items() if s not in hits}
+    return schedule_forward(_summary_ir(ir, products, updates))
+
+
 def step_maps_program(ir: StepIR, form: AffineForm, products: list) -> Program:
     """Every step's own map: the summary step from a zero state and the identity product,
     symbolically, so its stores are the offset ``F(0)`` (under the state's slots) and the
@@ -507,15 +526,17 @@ class SegmentSummary:
     products: tuple
     program: Program
     maps: Program  # every step's multiplier and offset (``step_maps_program``)
+    plain: Program | None = None  # the step in IEEE products (``plain_summary_program``)
 
 
 def segment_summary(ir: StepIR, form: AffineForm) -> SegmentSummary:
     products = tuple(product_entries(ir, form))
     return SegmentSummary(products, summary_program(ir, form, list(products)),
-                          step_maps_program(ir, form, list(products)))
+                          step_maps_program(ir, form, list(products)),
+                          plain_summary_program(ir, form, list(products)))
 
 
 __all__ = ["AffineBlock", "AffineForm", "LocalAdjoint", "LowRankRead", "ProductEntry",
            "SegmentSummary", "analyse", "compose", "local_adjoint_program",
-           "outputs_of_updated_state", "product_entries", "scale", "segment_summary",
-           "step_maps_program", "summary_program", "zero_hit"]
+           "outputs_of_updated_state", "plain_summary_program", "product_entries", "scale",
+           "segment_summary", "step_maps_program", "summary_program", "zero_hit"]

@@ -183,6 +183,8 @@ def _nonfinite_case(name, case):
     elif case == "nan_gate_zero_state":  # NaN * 0 likewise
         ins[gate][:, 5] = float("nan")
         ins[drive][:, :6] = 0.0
+    elif case == "zero_gate":  # a product of multipliers that is exactly zero
+        ins[gate][:, 5] = 0.0
     elif case == "inf_state":  # products of 1e-30 under an infinite state: it stays inf
         ins[drive][:, 1] = INF
         ins[gate][:, 2:] = 1e-30
@@ -202,7 +204,8 @@ def _assert_same(ours, ref, label):
 
 NONFINITE = [(n, c) for n in ("rglru", "gla")
              for c in ("overflow", "inf_gate_inside", "inf_gate_first", "inf_gate_zero_state",
-                       "inf_gate_zero_state_later", "nan_gate_zero_state", "inf_state")]
+                       "inf_gate_zero_state_later", "nan_gate_zero_state", "zero_gate",
+                       "inf_state")]
 # a rotation of infinite vectors is NaN in an order-dependent way (inf - inf): the cases whose
 # values stay defined
 NONFINITE += [("rotlru", "overflow"), ("rotlru", "inf_state")]

@@ -181,30 +181,41 @@ class ScanRenderer(KernelRenderer):
         return writer, runs
 
     def _summary(self, writer):
-        """Lines of the run summary: registers from zero / the identity, and one step."""
+        """Lines of the run summary: registers from zero / the identity, and one step; for
+        forms of 1 x 1 blocks also the step in IEEE products (``plain``, ``plain_loads``) and
+        the test its products pass where it equals the careful step (``exact``,
+        ``affine.plain_summary_program``)."""
         spec, nm = self.spec, self.names
         program = self.rec.segment_summary.program
         regs = {s: nm[("state", spec.symbols[s])] for s in self.slots}
         for p in self.products:
             regs[p.slot] = nm[("state", p.symbol)]
             writer.names[p.symbol] = regs[p.slot]
-        for sym in program_symbols(program):
+        plain = self.rec.segment_summary.plain
+        for sym in program_symbols(program) | (program_symbols(plain) if plain else set()):
             if sym not in writer.names:
                 writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
 
         def route(store, value, in_loop, pad):
             return [], [f"{pad}{regs[store.slot]} = {value};"]
 
-        init = [f"{regs[s]} = 0.0f;" for s in self.slots]
-        init += [f"float {regs[p.slot]} = {'1.0f' if p.row == p.col else '0.0f'};"
-                 for p in self.products]
+        reset = [f"{regs[s]} = 0.0f;" for s in self.slots]
+        reset += [f"{regs[p.slot]} = {'1.0f' if p.row == p.col else '0.0f'};"
+                  for p in self.products]
+        init = reset[:len(self.slots)] + [f"float {x}" for x in reset[len(self.slots):]]
         own = {}
         for p in self.products:
             own[f"z{p.block}" if p.hits else f"a{p.block}_{p.row}{p.col}"] = regs[p.slot]
         for k, s in enumerate(self.slots):
             own[f"v{k}"] = regs[s]
-        return dict(init=init, loads=writer.step_loads(program, "        "),
-                    step=writer.program(program, route, "        ")), own
+        summary = dict(init=init, reset=reset, loads=writer.step_loads(program, "        "),
+                       step=writer.program(program, route, "        "), plain=None)
+        if plain is not None:  # run first; the careful step where a product fails the test
+            summary.update(plain_loads=writer.step_loads(plain, "        "),
+                           plain=writer.program(plain, route, "        "),
+                           exact=" && ".join(f"recgen_exact({regs[p.slot]})"
+                                             for p in self.products if not p.hits))
+        return summary, own
 
     def _states(self):
         spec, nm = self.spec, self.names
@@ -309,6 +320,7 @@ class ScanRenderer(KernelRenderer):
             st["lam"] = lam_regs[s]
         ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, 0, hits=True),
                    lambda_pass=lam_pass, grad_bases=grad_bases, accumulators=accumulators,
+                   history=[f"{st['hist']}[r] = {st['reg']};" for st in ctx["scan_states"]],
                    recompute_loads=writer.step_loads(recompute, "        "),
                    recompute=writer.program(recompute, _commit_state(spec, nm), "        "),
                    local_hits=sorted(hit_regs.values()) if counts_hits else [],
