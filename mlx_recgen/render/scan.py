@@ -47,9 +47,10 @@ def grad_type_name(index: int) -> str:
 
 
 def run_type_name(index: int, cotangent: bool = False) -> str:
-    """The template type of the run registers of the ``index``-th input (``cotangent``: of the
-    ``index``-th output's cotangent): its buffer's own dtype, so that a load a stretch ahead
-    writes its register without waiting for the value (a conversion would wait)."""
+    """The template type of the registers that load the ``index``-th input a stretch ahead
+    (``cotangent``: the ``index``-th output's cotangent): its buffer's own dtype, so that the
+    load writes its register without waiting for the value (a conversion would wait); the
+    stretch that takes them holds them as floats."""
     return f"RunD{index}" if cotangent else f"RunT{index}"
 
 
