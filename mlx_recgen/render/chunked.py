@@ -75,7 +75,7 @@ class ChunkedRenderer(KernelRenderer):
                 f"* lanes + lane")
 
     def _products_ctx(self):
-        return [dict(reg=self.names[("state", p.symbol)], pointwise=p.pointwise,
+        return [dict(reg=self.names[("state", p.symbol)], pointwise=p.pointwise, hits=p.hits,
                      identity="1.0f" if p.row == p.col else "0.0f",
                      buffer=self.hits_buffer(p.block) if p.hits else
                      self.product_buffer(p.block),
@@ -84,15 +84,19 @@ class ChunkedRenderer(KernelRenderer):
 
     # -- forward -------------------------------------------------------------------------------
     def summary(self):
-        """Forward phase 1: local end state and composed multiplier of every segment."""
+        """Forward phase 1: local end state and composed multiplier of every segment. Where
+        the form's blocks are 1 x 1, the segment runs the summary in IEEE products first and
+        the careful step only where a product fails ``recgen_exact``
+        (``affine.plain_summary_program``)."""
         spec, nm = self.spec, self.names
-        program = self.rec.segment_summary.program
+        program, plain = self.rec.segment_summary.program, self.rec.segment_summary.plain
         writer = StepWriter(self.rec, self.d, nm)
         regs = {s: nm[("state", sym)] for s, sym in spec.symbols.items() if s.tensor in spec.states}
         for p in self.products:
             regs[p.slot] = nm[("state", p.symbol)]
             writer.names[p.symbol] = regs[p.slot] + ("[n]" if p.pointwise else "")
-        for sym in program_symbols(program):  # the summary step's own temporaries
+        # the summary steps' own temporaries
+        for sym in program_symbols(program) | (program_symbols(plain) if plain else set()):
             if sym not in writer.names:
                 writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
 
@@ -102,7 +106,10 @@ class ChunkedRenderer(KernelRenderer):
         ctx = self._common("summary")
         ctx.update(loads=writer.step_loads(program, "    "),
                    step=writer.program(program, route, "    "),
-                   products=self._products_ctx())
+                   products=self._products_ctx(), plain=None)
+        if plain is not None:
+            ctx.update(plain_loads=writer.step_loads(plain, "    "),
+                       plain=writer.program(plain, route, "    "))
         return environment().get_template("chunked_summary.j2").render(**ctx)
 
     def carry(self, reverse: bool):
