@@ -364,3 +364,29 @@ def test_cuda_text_compiles(tmp_path, kind):
             res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",
                                   os.devnull], capture_output=True, text=True)
             assert res.returncode == 0, res.stderr
+
+
+def test_the_simulator_runs_uncompiled_where_a_gpu_is_the_default(monkeypatch, kernel_calls):
+    """With a GPU as MLX's default device (an MLX with a CUDA or Metal backend) the matrix form
+    compiles its computation, except around the simulator's kernels, which evaluate their
+    inputs and cannot be traced: there it stays plain MLX ops and agrees with the paper's loop
+    (compiled, it raised ``SimulatorTransformError``)."""
+    real = mx.default_device()
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+    mx.random.seed(11)
+    b, L, H, K, V = 1, 40, 2, 8, 4
+    q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
+    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+    g = mx.sigmoid(mx.random.normal((b, L, H)) + 2)
+    gla = rg.load_spec("gla")
+
+    def run(i, s):
+        with mx.stream(real):
+            y, S = gla(*i, initial_state=s[0], return_state=True, backend="metal-sim",
+                       schedule="matrix", seg=16)
+        return [y], [S]
+
+    with mx.stream(real):
+        _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g],
+                        [S0], tol=TOL)
+    assert kernel_calls

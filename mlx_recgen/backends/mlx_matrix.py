@@ -40,6 +40,7 @@ import functools
 import mlx.core as mx
 import sympy
 
+from ..function import COMPILED_BACKENDS
 from ..ir import Accumulate, Loop, Program, Store
 from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
@@ -670,13 +671,19 @@ class MatrixForm(SequentialForm):
         outputs, finals = self._results(outs, finals, mx.float32, dict(sizes))
         return (*outputs, *finals)
 
-    def _compiled(self, sizes, seg):
-        """The computation for these sizes; compiled on a GPU, where MLX then fuses its
+    def _compiles(self) -> bool:
+        """Whether the computation runs under ``mx.compile``: on a GPU, where MLX then fuses its
         elementwise chains (an H100, GLA B8 H16 L4096: forward 4.9 -> 3.3 ms with the layout
-        change). Not on the CPU, where the compiled call was slower (Mamba-2 B2 L256 H8
-        N128 forward on 2 x86 cores: 54 against 41 ms)."""
-        key = (tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu,
-               self._kernels_on())
+        change), and where the kernels it calls, if any, can be traced
+        (``function.COMPILED_BACKENDS``: not the simulator's, which evaluate their inputs). Not
+        on the CPU, where the compiled call was slower (Mamba-2 B2 L256 H8 N128 forward on 2 x86
+        cores: 54 against 41 ms)."""
+        return mx.default_device().type == mx.gpu and (
+            not self._kernels_on() or self.kernels.backend in COMPILED_BACKENDS)
+
+    def _compiled(self, sizes, seg):
+        """The computation for these sizes, compiled where ``_compiles``."""
+        key = (tuple(sorted(sizes.items())), seg, self._compiles(), self._kernels_on())
 
         def build():
             call = functools.partial(self._call_declared, key[0], seg)
@@ -712,12 +719,11 @@ class MatrixForm(SequentialForm):
 
     def _gradients(self, sizes, seg):
         """``(inputs, states, cotangents) -> (input gradients, initial-state gradients)``: MLX's
-        VJP of the whole computation, compiled with it on a GPU (as ``_compiled``)."""
+        VJP of the whole computation, compiled with it (``_compiles``)."""
         spec = self.rec.spec
         n_in, n_state = len(spec.inputs), len(spec.states)
         diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
-        key = ("vjp", tuple(sorted(sizes.items())), seg, mx.default_device().type == mx.gpu,
-               self._kernels_on())
+        key = ("vjp", tuple(sorted(sizes.items())), seg, self._compiles(), self._kernels_on())
 
         def build():
             def vjp(*arrays):
