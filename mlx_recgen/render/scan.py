@@ -200,10 +200,11 @@ class ScanRenderer(KernelRenderer):
         def route(store, value, in_loop, pad):
             return [], [f"{pad}{regs[store.slot]} = {value};"]
 
-        reset = [f"{regs[s]} = 0.0f;" for s in self.slots]
-        reset += [f"{regs[p.slot]} = {'1.0f' if p.row == p.col else '0.0f'};"
-                  for p in self.products]
-        init = reset[:len(self.slots)] + [f"float {x}" for x in reset[len(self.slots):]]
+        # states from zero (declared by the kernel), products from the identity (here)
+        starts = [(regs[s], "0.0f", "") for s in self.slots] + [
+            (regs[p.slot], "1.0f" if p.row == p.col else "0.0f", "float ") for p in self.products]
+        init = [f"{declare}{reg} = {value};" for reg, value, declare in starts]
+        reset = [f"{reg} = {value};" for reg, value, _ in starts]
         own = {}
         for p in self.products:
             own[f"z{p.block}" if p.hits else f"a{p.block}_{p.row}{p.col}"] = regs[p.slot]
