@@ -325,3 +325,43 @@ def test_chunked_custom_specs_match_hand_loops(backend, name, seg):
     for i, (a, b) in enumerate(zip(kg, rg_)):
         assert a.shape == b.shape
         assert rel_err(a, b) < TOL, f"gradient {i} of {name}"
+
+
+@pytest.mark.parametrize("name", ["rglru", "mingru", "rotlru", "complex_lru"])
+def test_plain_summary_is_the_summary_in_ieee_products(name):
+    """``affine.plain_summary_program``: for forms of 1 x 1 blocks, the summary step with plain
+    products and no zero-hit counts, which run over finite nonzero multipliers gives the end
+    state from zero and the product of the multipliers, as a hand loop of the update does; for
+    forms with larger blocks, none (the kernels keep the careful products there)."""
+    from mlx_recgen.affine import compose, scale, zero_hit
+    from mlx_recgen.ir import Loop
+    from mlx_recgen.render.mlx_ops import render_mlx
+
+    rec = rg.load_spec(name)
+    summary = rec.segment_summary
+    if any(block.size > 1 for block in rec.affine.blocks):
+        assert summary.plain is None
+        return
+    plain = summary.plain
+    exprs = [b.expr for st in plain.statements for b in (st.body if isinstance(st, Loop) else [st])]
+    assert not any(e.has(scale, compose, zero_hit) for e in exprs)
+    hits = {p.slot for p in summary.products if p.hits}
+    assert not {st.slot for st in plain.statements if hasattr(st, "slot")} & hits
+
+    if name != "rglru":
+        return
+    # rglru: s <- a s + x from zero and P <- a P from one, against the hand loop
+    step = render_mlx(plain, "plain_summary")
+    mx.random.seed(3)
+    a = mx.random.uniform(0.5, 1.5, (12, 5)) * mx.where(mx.random.uniform(shape=(12, 5)) < 0.5,
+                                                          -1.0, 1.0)
+    x = mx.random.normal((12, 5))
+    values = {"h": mx.zeros((5,)), "P0_00": mx.ones((5,))}
+    s, P = mx.zeros((5,)), mx.ones((5,))
+    for t in range(12):
+        env = {"a": a[t], "x": x[t], **values}
+        out = step.fn(*[env[str(sym)] for sym in step.args])
+        for (kind, slot), v in zip(step.results, out):
+            values[slot.tensor] = v
+        s, P = a[t] * s + x[t], a[t] * P
+    assert rel_err(values["h"], s) < 1e-6 and rel_err(values["P0_00"], P) < 1e-6
