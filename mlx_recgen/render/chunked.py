@@ -29,7 +29,6 @@ layout ``[segment, instance, 1, NS or 1, lane]`` (NS rows for a block with the s
 from __future__ import annotations
 
 from .kernels import KernelRenderer, StepWriter, environment, met_zero_hit
-from .names import program_symbols
 
 
 class ChunkedRenderer(KernelRenderer):
@@ -89,27 +88,17 @@ class ChunkedRenderer(KernelRenderer):
         the careful step only where a product fails ``recgen_exact``
         (``affine.plain_summary_program``)."""
         spec, nm = self.spec, self.names
-        program, plain = self.rec.segment_summary.program, self.rec.segment_summary.plain
         writer = StepWriter(self.rec, self.d, nm)
         regs = {s: nm[("state", sym)] for s, sym in spec.symbols.items() if s.tensor in spec.states}
         for p in self.products:
             regs[p.slot] = nm[("state", p.symbol)]
             writer.names[p.symbol] = regs[p.slot] + ("[n]" if p.pointwise else "")
-        # the summary steps' own temporaries
-        for sym in program_symbols(program) | (program_symbols(plain) if plain else set()):
-            if sym not in writer.names:
-                writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
 
         def route(store, value, in_loop, pad):
             return [], [f"{pad}{regs[store.slot]}{'[n]' if in_loop else ''} = {value};"]
 
         ctx = self._common("summary")
-        ctx.update(loads=writer.step_loads(program, "    "),
-                   step=writer.program(program, route, "    "),
-                   products=self._products_ctx(), plain=None)
-        if plain is not None:
-            ctx.update(plain_loads=writer.step_loads(plain, "    "),
-                       plain=writer.program(plain, route, "    "))
+        ctx.update(self.summary_steps(writer, route, "    "), products=self._products_ctx())
         return environment().get_template("chunked_summary.j2").render(**ctx)
 
     def carry(self, reverse: bool):

@@ -241,6 +241,23 @@ class KernelRenderer:
                 + [f" + {nm[('member', g)]} * {nm[('d_stride', t.name, members(g))]}"
                    for g in self.meta.grad_members[t.name]])
 
+    def summary_steps(self, writer, route, pad: str) -> dict:
+        """The segment summary's step, ``loads`` and ``step`` lines, and where the form's blocks
+        are 1 x 1 the same step in IEEE products, ``plain_loads`` and ``plain`` (else ``plain``
+        is None; ``affine.plain_summary_program``), their temporaries named in ``writer``. The
+        chunked schedule's summary kernel and the scan's kernels run the plain one first."""
+        summary = self.rec.segment_summary
+        programs = [p for p in (summary.program, summary.plain) if p is not None]
+        for sym in set().union(*(program_symbols(p) for p in programs)):
+            if sym not in writer.names:
+                writer.names[sym] = self.names.ids.add(("sym", sym), str(sym))
+        out = dict(loads=writer.step_loads(summary.program, pad),
+                   step=writer.program(summary.program, route, pad), plain=None)
+        if summary.plain is not None:
+            out.update(plain_loads=writer.step_loads(summary.plain, pad),
+                       plain=writer.program(summary.plain, route, pad))
+        return out
+
     def _common(self, kind):
         spec, d, nm = self.spec, self.d, self.names
         coords = []

@@ -38,7 +38,6 @@ from ..schedule import SEGMENTS
 from ..spec import Slot
 from .kernels import (KernelRenderer, StepWriter, _commit_state, _forward_route, _without_outputs,
                       environment, met_zero_hit)
-from .names import program_symbols
 
 
 def grad_type_name(index: int) -> str:
@@ -187,15 +186,10 @@ class ScanRenderer(KernelRenderer):
         the test its products pass where it equals the careful step (``exact``,
         ``affine.plain_summary_program``)."""
         spec, nm = self.spec, self.names
-        program = self.rec.segment_summary.program
         regs = {s: nm[("state", spec.symbols[s])] for s in self.slots}
         for p in self.products:
             regs[p.slot] = nm[("state", p.symbol)]
             writer.names[p.symbol] = regs[p.slot]
-        plain = self.rec.segment_summary.plain
-        for sym in program_symbols(program) | (program_symbols(plain) if plain else set()):
-            if sym not in writer.names:
-                writer.names[sym] = nm.ids.add(("sym", sym), str(sym))
 
         def route(store, value, in_loop, pad):
             return [], [f"{pad}{regs[store.slot]} = {value};"]
@@ -210,13 +204,10 @@ class ScanRenderer(KernelRenderer):
             own[f"z{p.block}" if p.hits else f"a{p.block}_{p.row}{p.col}"] = regs[p.slot]
         for k, s in enumerate(self.slots):
             own[f"v{k}"] = regs[s]
-        summary = dict(init=init, reset=reset, loads=writer.step_loads(program, "        "),
-                       step=writer.program(program, route, "        "), plain=None)
-        if plain is not None:  # run first; the careful step where a product fails the test
-            summary.update(plain_loads=writer.step_loads(plain, "        "),
-                           plain=writer.program(plain, route, "        "),
-                           exact=" && ".join(f"recgen_exact({regs[p.slot]})"
-                                             for p in self.products if not p.hits))
+        # the plain step first; the careful one where a product fails the test
+        summary = dict(self.summary_steps(writer, route, "        "), init=init, reset=reset,
+                       exact=" && ".join(f"recgen_exact({regs[p.slot]})"
+                                         for p in self.products if not p.hits))
         return summary, own
 
     def _states(self):
