@@ -381,9 +381,8 @@ def test_the_simulator_runs_uncompiled_where_a_gpu_is_the_default(monkeypatch, k
     gla = rg.load_spec("gla")
 
     def run(i, s):
-        with mx.stream(real):
-            y, S = gla(*i, initial_state=s[0], return_state=True, backend="metal-sim",
-                       schedule="matrix", seg=16)
+        y, S = gla(*i, initial_state=s[0], return_state=True, backend="metal-sim",
+                   schedule="matrix", seg=16)
         return [y], [S]
 
     with mx.stream(real):
