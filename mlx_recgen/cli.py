@@ -23,7 +23,7 @@ import mlx.core as mx
 from .backends.kernels import CHUNKED_KERNELS, SCAN_KERNELS, SEQUENTIAL_KERNELS
 from .backends.matrix_kernels import KERNELS as MATRIX_KERNELS
 from .backends.matrix_kernels import spec_matrix_source
-from .function import BACKENDS, positive_int, require_backend
+from .function import BACKENDS, default_backend, positive_int, require_backend
 from .specs import list_specs, load_spec
 
 TOLERANCE = 1e-4  # relative error allowed by `check` and `demo` (fp32 throughout)
@@ -48,11 +48,14 @@ def resolve_backend(requested: str | None, default: str = "auto") -> tuple:
     given = requested is not None
     requested = requested if given else default
     if requested == "auto":
-        if getattr(mx, "metal", None) is not None and mx.metal.is_available():
-            return "metal", "the best available: MLX has Metal on this machine"
-        if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
-            return "cuda", "the best available: MLX has CUDA on this machine"
-        return "mlx", "the best available: this MLX has neither Metal nor CUDA"
+        backend = default_backend()
+        if backend == "metal":
+            return backend, "the best available: MLX has Metal on this machine"
+        if backend == "cuda":
+            return backend, "the best available: MLX has CUDA on this machine"
+        if mx.is_available(mx.gpu):
+            return backend, "the best available: MLX's default device is the CPU"
+        return backend, "the best available: this MLX has neither Metal nor CUDA"
     if requested not in BACKENDS:
         raise ValueError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
     require_backend(requested)

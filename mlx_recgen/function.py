@@ -751,7 +751,11 @@ def require_backend(backend: str) -> None:
 
 
 def default_backend() -> str:
-    """``metal`` where MLX has Metal, else ``cuda`` where it has CUDA, else ``mlx``."""
+    """``metal`` where MLX has Metal, else ``cuda`` where it has CUDA, else ``mlx``; ``mlx``
+    too where MLX's default device is the CPU (``mx.set_default_device(mx.cpu)``), whose
+    stream cannot run GPU kernels."""
+    if mx.default_device().type != mx.gpu:
+        return "mlx"
     try:
         if mx.metal.is_available():
             return "metal"

@@ -140,6 +140,26 @@ def test_bad_backend_and_empty(ssd):
         call(rec, [u[:, :0], delta[:, :0], B[:, :0], C[:, :0], A])
 
 
+def test_gpu_backends_follow_the_default_device(ssd, monkeypatch):
+    """On a machine with a GPU whose MLX has the CPU as its default device, ``auto`` runs the
+    MLX ops (a GPU kernel on the CPU's stream fails inside MLX) and an explicit GPU backend
+    says why it cannot run. The GPU is made to look present; no kernel may be built."""
+    rec, args, _ = ssd
+    built = []
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: built.append(kw))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu, 0))
+    assert rg.default_backend() == "mlx"
+    assert mx.array_equal(rec(*args), call(rec, args)).item()
+    with pytest.raises(ValueError, match=r"backend='cuda' runs its kernels on the GPU, but "
+                                         r"MLX's default device is the CPU"):
+        rec(*args, backend="cuda")
+    assert not built
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+    assert rg.default_backend() == "cuda"
+
+
 def test_unknown_spec_name():
     with pytest.raises(ValueError, match=r"unknown spec 'nope'; bundled specs are"):
         rg.load_spec("nope")

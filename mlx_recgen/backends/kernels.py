@@ -81,17 +81,27 @@ def kernel_factory(backend: str):
         if not mx.metal.is_available():
             raise RuntimeError("backend='metal' needs MLX with Metal (Apple silicon); use "
                                "backend='metal-sim' to run the Metal kernels on the CPU")
+        _require_gpu_device(backend)
         return _refusing_vmap(mx.fast.metal_kernel, backend)
     if backend == "cuda":
         if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
             raise RuntimeError("backend='cuda' needs MLX's CUDA build on an NVIDIA GPU "
                                "(pip install 'mlx[cuda13]')")
+        _require_gpu_device(backend)
         return _refusing_vmap(mx.fast.cuda_kernel, backend)
     if backend == "metal-sim":
         from ..sim import metal_kernel
 
         return metal_kernel
     raise ValueError(f"not a kernel backend: {backend!r}")
+
+
+def _require_gpu_device(backend: str) -> None:
+    """Metal's and CUDA's kernels run on the GPU's stream; MLX fails on the CPU's."""
+    if mx.default_device().type != mx.gpu:
+        raise ValueError(f"backend={backend!r} runs its kernels on the GPU, but MLX's default "
+                         "device is the CPU; pass backend='mlx' (or 'auto'), or "
+                         "mx.set_default_device(mx.gpu)")
 
 
 def _refusing_vmap(make_kernel, backend: str):
