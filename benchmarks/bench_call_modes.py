@@ -9,7 +9,10 @@ process: RG-LRU forward and forward+backward (gradients of ``sum(y * w)``), µs 
   the GPU runs this one (as torch's launches overlap the GPU);
 * alone: each call evaluated and waited for before the next is built;
 * accelerated-scan: 20 calls launched, then one synchronisation (its native ``[B, D, T]``
-  layout, transposed outside the timing).
+  layout, transposed outside the timing);
+* peak MB: the memory one call allocates beyond what was allocated before it (its outputs,
+  gradients included, and its temporaries), ours (``mx.get_peak_memory``) and
+  accelerated-scan's (``torch.cuda.max_memory_allocated``).
 
     python benchmarks/bench_call_modes.py
     python benchmarks/bench_call_modes.py --cases 4,6 --schedules sequential,matrix
@@ -101,6 +104,34 @@ def cases(indices, schedules, dtypes=("float32", "bfloat16"), backend="cuda"):
                 mx.clear_cache()
 
 
+def peak_mlx(call) -> float:
+    """MB one evaluated call of ``call`` allocates beyond what was allocated before it."""
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = call()
+    mx.eval(out)
+    mx.synchronize()
+    peak = mx.get_peak_memory() - before
+    del out
+    return peak / 1e6
+
+
+def peak_torch(call) -> float:
+    """MB one call of ``call`` allocates beyond what was allocated before it."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 1e6
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", help="indices into bench_peers.CASES (ours alone, no peer)")
@@ -117,8 +148,9 @@ def main():
 
     rec = rg.load_spec("rglru")
     print(f"{torch.cuda.get_device_name()}; mlx {mx.__version__}, torch {torch.__version__}")
-    print("| shape | dtype | pass | build | queued | prebuilt | async | alone | accelerated-scan |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | dtype | pass | build | queued | prebuilt | async | alone | accelerated-scan "
+          "| peak MB, ours / accelerated-scan |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for B, L, D in SHAPES:
         for name in ("float32", "bfloat16"):
             rng = np.random.default_rng(0)
@@ -145,13 +177,16 @@ def main():
                     torch.autograd.grad((scan(ga, gx) * tw).sum(), (ga, gx))
                 torch.cuda.synchronize()
 
-            for label, call, peer in (
-                    ("forward", lambda: rec(a, x, backend="cuda", schedule="scan"), peer_forward),
-                    ("forward+backward", lambda: grad(a, x), peer_backward)):
+            for label, call, peer, peer_once in (
+                    ("forward", lambda: rec(a, x, backend="cuda", schedule="scan"), peer_forward,
+                     lambda: scan(ta, tx)),
+                    ("forward+backward", lambda: grad(a, x), peer_backward,
+                     lambda: torch.autograd.grad((scan(ga, gx) * tw).sum(), (ga, gx)))):
                 t = driven(call)
                 print(f"| B{B} L{L} D{D} | {name} | {label} | " + " | ".join(
                     f"{t[k]:.0f}" for k in COLUMNS) +
-                    f" | {per_call(peer):.0f} |", flush=True)
+                    f" | {per_call(peer):.0f} | {peak_mlx(call):.0f} / "
+                    f"{peak_torch(peer_once):.0f} |", flush=True)
 
 
 if __name__ == "__main__":
