@@ -19,7 +19,8 @@ executes each kernel as it is called, so its memory is that of the kernels' buff
 
 The recurrence is the bundled GLA (``--spec``), state-affine, so ranks exchange chunk
 summaries; ``--spec`` may name any bundled or file spec whose inputs are drawn by
-``bench_scan.inputs_for``. Inputs are drawn piece by piece (one random key per piece of
+``bench_scan.inputs_for``, and the delta rules ``gated_deltanet`` and ``deltanet`` (drawn as
+``bench_peers`` draws them: ``--spec gated_deltanet --K 128 --V 128`` for Qwen3-Next's heads). Inputs are drawn piece by piece (one random key per piece of
 ``gcd(chunks)`` steps), so every rank draws only its chunk and one process draws the same
 sequence.
 
@@ -42,12 +43,14 @@ import sys
 import time
 
 import mlx.core as mx
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import mlx_recgen as rg  # noqa: E402
+from bench_peers import make_inputs  # noqa: E402
 from bench_scan import inputs_for  # noqa: E402
 
 
@@ -61,6 +64,10 @@ def chunk_lengths(L, world, chunks):
 
 
 GATES = ("g", "a")
+# Delta rules draw their pieces as ``bench_peers`` draws them against FLA (unit keys, beta in
+# (0.1, 0.9), a log gate), their gate's log divided by ``decay_scale``: ``bench_scan``'s
+# drives would make ``I - beta k kᵀ`` grow and its gates, read as logs, overflow.
+DELTA_RULES = {"gated_deltanet": "gated_delta", "deltanet": "deltanet"}
 
 
 def draw(rec, sizes, start, stop, piece, seed, decay_scale):
@@ -71,6 +78,13 @@ def draw(rec, sizes, start, stop, piece, seed, decay_scale):
     spec = rec.spec
     parts = []
     for p in range(start // piece, stop // piece):
+        if spec.name in DELTA_RULES:
+            drawn = [mx.array(x) for x in make_inputs(
+                DELTA_RULES[spec.name], dict(sizes, **{spec.time: piece}),
+                np.random.default_rng(seed * 1_000_003 + p))]
+            parts.append([x / decay_scale if n == "g" else x
+                          for n, x in zip(spec.inputs, drawn)])
+            continue
         mx.random.seed(seed * 1_000_003 + p)
         drawn = inputs_for(rec, dict(sizes, **{spec.time: piece}))
         parts.append([1 - (1 - x) / decay_scale if n in GATES else x
