@@ -11,8 +11,8 @@ process: RG-LRU forward and forward+backward (gradients of ``sum(y * w)``), µs 
 * accelerated-scan: 20 calls launched, then one synchronisation (its native ``[B, D, T]``
   layout, transposed outside the timing);
 * peak MB: the memory one call allocates beyond what was allocated before it (its outputs,
-  gradients included, and its temporaries), ours (``mx.get_peak_memory``) and
-  accelerated-scan's (``torch.cuda.max_memory_allocated``).
+  gradients included, and its temporaries), ours (``bench_scan.peak``) and accelerated-scan's
+  (``bench_peers.peak_torch``), each after a warm-up call.
 
     python benchmarks/bench_call_modes.py
     python benchmarks/bench_call_modes.py --cases 4,6 --schedules sequential,matrix
@@ -32,7 +32,8 @@ import numpy as np
 
 import mlx_recgen as rg
 # this script's folder is first on sys.path
-from bench_peers import CASES, gated_delta, make_inputs, run_pipelined, run_queued
+from bench_peers import CASES, gated_delta, make_inputs, peak_torch, run_pipelined, run_queued
+from bench_scan import peak as peak_mlx
 
 CALLS = 20
 SHAPES = ((8, 4096, 1024), (3, 2048, 768))
@@ -104,34 +105,6 @@ def cases(indices, schedules, dtypes=("float32", "bfloat16"), backend="cuda"):
                 mx.clear_cache()
 
 
-def peak_mlx(call) -> float:
-    """MB one evaluated call of ``call`` allocates beyond what was allocated before it."""
-    mx.synchronize()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()
-    out = call()
-    mx.eval(out)
-    mx.synchronize()
-    peak = mx.get_peak_memory() - before
-    del out
-    return peak / 1e6
-
-
-def peak_torch(call) -> float:
-    """MB one call of ``call`` allocates beyond what was allocated before it."""
-    import torch
-
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = call()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
-    return peak / 1e6
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", help="indices into bench_peers.CASES (ours alone, no peer)")
@@ -185,8 +158,8 @@ def main():
                 t = driven(call)
                 print(f"| B{B} L{L} D{D} | {name} | {label} | " + " | ".join(
                     f"{t[k]:.0f}" for k in COLUMNS) +
-                    f" | {per_call(peer):.0f} | {peak_mlx(call):.0f} / "
-                    f"{peak_torch(peer_once):.0f} |", flush=True)
+                    f" | {per_call(peer):.0f} | {peak_mlx(call, above=True) / 1e6:.0f} / "
+                    f"{peak_torch(peer_once, above=True) / 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

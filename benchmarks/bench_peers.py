@@ -161,16 +161,19 @@ def time_torch(fn, reps):
     return _median_batches(batch, reps)
 
 
-def peak_torch(fn):
+def peak_torch(fn, above=False):
+    """Peak bytes of a call of ``fn()`` after a warm-up; ``above``: less what was allocated
+    before it (its outputs and temporaries alone)."""
     import torch
 
     fn()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated() if above else 0
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def rel(a, b):

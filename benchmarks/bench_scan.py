@@ -79,14 +79,17 @@ def timed(fn, reps=5):
     return (time.perf_counter() - t0) / reps
 
 
-def peak(fn):
+def peak(fn, above=False):
+    """Peak bytes of an evaluation of ``fn()`` after a warm-up; ``above``: less what was
+    allocated before it (its outputs and temporaries alone)."""
     mx.eval(fn())
     mx.synchronize()
     mx.clear_cache()
+    before = mx.get_active_memory() if above else 0
     mx.reset_peak_memory()
     mx.eval(fn())
     mx.synchronize()
-    return mx.get_peak_memory()
+    return mx.get_peak_memory() - before
 
 
 def copy_bandwidth():
