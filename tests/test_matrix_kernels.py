@@ -231,8 +231,9 @@ def test_cuda_padding_and_tiles_in_group_memory(kernel_calls, monkeypatch):
     kernels = mk.matrix_kernels("metal-sim")
     cuda_pads = mk.DIALECTS["cuda"].matrix_pads
     assert cuda_pads != (0, 0)
-    assert mk.state_tiles(64, 64, 64, mk.DIALECTS["cuda"].shared_bytes, cuda_pads) == (64, 32)
-    assert mk.state_tiles(64, 64, 64, kernels.dialect.shared_bytes) == (32, 32)
+    declared_only = dataclasses.replace(mk.DIALECTS["cuda"], dynamic_shared_bytes=0)
+    assert mk.state_tiles(64, 64, 64, declared_only) == (64, 32)
+    assert mk.state_tiles(64, 64, 64, kernels.dialect) == (32, 32)
     monkeypatch.setattr(kernels, "dialect",
                         dataclasses.replace(kernels.dialect, matrix_pads=cuda_pads))
     monkeypatch.setattr(kernels, "_kernels", type(kernels._kernels)(4))
@@ -253,6 +254,33 @@ def test_cuda_padding_and_tiles_in_group_memory(kernel_calls, monkeypatch):
     assert {s.state_tiles for s in kernel_calls} == {(64, 32)}
     text = mk.MatrixRenderer(kernels.dialect, kernel_calls[0]).states(False)
     assert f"LDX = {64 + cuda_pads[1]}" in text
+
+
+def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
+    """Past the 48 KB a CUDA kernel may declare, its arrays are pointers into dynamic shared
+    memory, laid out one after another, and the kernel asks for exactly their bytes at launch;
+    a kernel that fits declares its arrays. Where neither fits, no shape is made."""
+    made = []
+    kernels = mk.MatrixKernels("cuda")
+    kernels._factory = lambda **definition: made.append(definition)
+    shape = kernels.shape(64, 64, 64, inclusive=False)
+    assert (shape.KT, shape.VT) == (64, 64) and shape.state_tiles == (64, 64)
+    for kind, dynamic in (("outputs", True), ("states", True), ("weights_adjoint", False)):
+        memory = mk.MatrixRenderer(kernels.dialect, shape).memory(kind)
+        assert memory.dynamic == dynamic and memory.bytes == 4 * sum(n for *_, n in memory.arrays)
+        kernels._kernel(shape, kind)
+        body = made[-1]["source"]
+        assert ("extern __shared__" in body) == dynamic
+        assert made[-1].get("shared_memory") == (memory.bytes if dynamic else None)
+        if dynamic:  # each array where the previous one ends
+            offsets = [int(line.split("recgen_group + ")[1].split(";")[0])
+                       for line in body.splitlines() if "= recgen_group + " in line]
+            sizes = [n for *_, n in memory.arrays]
+            assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    small = dataclasses.replace(mk.DIALECTS["cuda"], dynamic_shared_bytes=0)
+    assert mk.tiles(64, 64, 64, small) == (16, 32)
+    none = dataclasses.replace(small, shared_bytes=1024)
+    assert mk.tiles(64, 64, 64, none) is None
 
 
 def test_vector_decays_stay_in_mlx_ops(kernel_calls):

@@ -91,14 +91,16 @@ class MatrixKernels:
         """The kernels' shape for these sizes, or None where no tiling fits group memory;
         ``units``: the products on the matrix units (None: as ``units()`` says)."""
         units = self.units() if units is None else units
-        memory, pads = self.dialect.shared_bytes, self.dialect.matrix_pads
+        d = self.dialect
 
         def build():  # decided once per call's sizes: a call builds its graph on each step
-            t = tiles(C, K, V, memory, pads)
+            t = tiles(C, K, V, d, signed)
             return None if t is None else MatrixKernelShape(
-                C, K, V, *t, inclusive, units, signed, diagonal, state_tiles(C, K, V, memory, pads))
+                C, K, V, *t, inclusive, units, signed, diagonal, state_tiles(C, K, V, d, signed))
 
-        return self._shapes.get_or_build((C, K, V, inclusive, signed, units, diagonal, memory, pads),
+        # the dialect's memory in the key: tests swap in variants of it
+        memory = (d.shared_bytes, d.dynamic_shared_bytes, d.matrix_pads)
+        return self._shapes.get_or_build((C, K, V, inclusive, signed, units, diagonal, memory),
                                          build)
 
     @staticmethod
@@ -136,8 +138,12 @@ class MatrixKernels:
             if self._factory is None:
                 self._factory = kernel_factory(self.backend)
             name, ins, outs, body, header = self._text(self.dialect, shape, kind)
+            memory = MatrixRenderer(self.dialect, shape).memory(kind)
+            # group memory beyond the declared arrays' limit is sized at launch (CUDA's dynamic
+            # shared memory)
+            launch = {"shared_memory": memory.bytes} if memory.dynamic else {}
             return self._factory(name=name, input_names=ins, output_names=outs, source=body,
-                                 header=header)
+                                 header=header, **launch)
 
         return self._kernels.get_or_build((shape, kind), build)
 

@@ -23,6 +23,7 @@ class Dialect:
     simd_sum: str  # (value): its sum over the whole simdgroup / warp, in every lane
     function: str  # qualifier of helper functions
     unroll: str  # a pragma that fully unrolls the loop it precedes
+    unroll_by: str  # a pragma that unrolls the loop it precedes ``{}`` times
     private: str  # address space (with its space) of a pointer to a thread's own array
     int64: str
     uint: str
@@ -38,6 +39,11 @@ class Dialect:
     shared_pointer: str = ""
     shared_bytes: int = 32768
     matrix_prelude: str = ""
+    # group memory sized at launch, where the target has it beyond ``shared_bytes`` of
+    # declared arrays: the declaration of that buffer (``{}``: its name) and the most a kernel
+    # takes (0: none; every array is declared)
+    dynamic_shared: str = ""
+    dynamic_shared_bytes: int = 0
     # floats added to the rows of the products' operands in group memory, against bank
     # conflicts: (an operand read along its rows, one read down its columns)
     matrix_pads: tuple = (0, 0)
@@ -63,6 +69,7 @@ METAL = Dialect(
     simd_sum="simd_sum",  # one reduction instruction, no shuffle levels
     function="inline",
     unroll="#pragma clang loop unroll(full)",
+    unroll_by="#pragma clang loop unroll_count({})",
     private="thread ",
     int64="int64_t",
     uint="uint",
@@ -115,6 +122,7 @@ CUDA = Dialect(
     simd_sum="recgen_warp_sum",
     function="__device__ inline",
     unroll="#pragma unroll",
+    unroll_by="#pragma unroll {}",
     private="",
     int64="int64_t",
     uint="unsigned int",
@@ -126,6 +134,11 @@ CUDA = Dialect(
     max_threads=256,
     shared_pointer="",
     shared_bytes=49152,  # static __shared__ arrays of one block
+    # beyond 48 KB a block's shared memory is dynamic, sized at launch (MLX's ``shared_memory``
+    # sets the kernel's attribute); 96 KB runs on every GPU with TF32 tensor cores (sm_80 and
+    # later) and leaves two blocks an SM on an H100
+    dynamic_shared="extern __shared__ float {}[];",
+    dynamic_shared_bytes=98304,
     # a warp's fragment loads touch 8 rows x 4 columns (or 4 x 8): rows 4 (8) floats apart
     # fall in 32 distinct banks
     matrix_pads=(4, 8),

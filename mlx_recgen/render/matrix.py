@@ -45,11 +45,15 @@ from dataclasses import dataclass
 from .kernels import environment
 
 THREADS = 128  # four simdgroups / warps per threadgroup
+# Tiles go from device memory to group memory this many elements a thread at a time: fully
+# unrolled, a 64 x 64 tile's loads all wait in registers (255 a thread on CUDA, and spills)
+LOADS_AHEAD = 8
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
 # The states kernel's K and V tiles, largest first: each threadgroup repeats its chunk's loads
 # of log d and running sums, and a 32 x 32 tile keeps two of four warps busy in the product
-# (M = 32 is two strips of 16 rows); 64 x 32 fits CUDA's 48 KB of group memory, not Metal's 32
-STATE_TILES = ((64, 32), (32, 32))
+# (M = 32 is two strips of 16 rows); 64 x 64 fits CUDA's dynamic shared memory, 64 x 32 its
+# 48 KB of static arrays at chunks of 64, not Metal's 32 KB
+STATE_TILES = ((64, 64), (64, 32), (32, 32))
 
 
 # the per-step exponentials each kernel reads: exp(Λ_C - Λ_j) scales the states kernel's a,
@@ -61,44 +65,93 @@ def _padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
-# floats of group memory a kernel keeps per step: log d, two partial sums, Λ, R, Λ_C - Λ, and
-# (signed) those of the signs
-PER_STEP_FLOATS = 11
+@dataclass(frozen=True)
+class GroupMemory:
+    """A kernel's group memory: ``arrays`` in order, ``(name, size as the kernel spells it,
+    floats)``. ``dynamic``: one buffer sized at launch (``Dialect.dynamic_shared``), each array a
+    pointer into it, where the arrays exceed what the target lets a kernel declare; else
+    declared arrays. The templates declare what this lists (``matrix_memory.j2``), so the
+    tilings are chosen on the memory the kernels take."""
+
+    arrays: tuple
+    dynamic: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return 4 * sum(floats for *_, floats in self.arrays)
+
+    def placed(self) -> list:
+        """``(name, size, offset in floats)`` of each array."""
+        out, offset = [], 0
+        for name, size, floats in self.arrays:
+            out.append((name, size, offset))
+            offset += floats
+        return out
 
 
-def _states_floats(C: int, SK: int, SV: int, pads=(0, 0)) -> int:
-    """Floats of group memory the states kernel declares for tiles of ``SK x SV``."""
-    cols = pads[1]
-    return C * (SK + cols) + C * (SV + cols) + SK * SV + PER_STEP_FLOATS * C
+def _step_arrays(kind: str, C: int, signed: bool) -> list:
+    """The per-step values of ``matrix_cumulate.j2``: log d and its sums within groups of 8
+    steps, the exponentials the kernel reads (``_EXPONENTIALS``), and the signs' running
+    products for a decay of unknown sign."""
+    names = ["step_log", "part", "part_before"]
+    names += [name for key, name in (("whole", "cum"), ("row", "row_exp"), ("tail", "tail_exp"))
+              if key in _EXPONENTIALS.get(kind, ())]
+    if signed:
+        names += ["step_sign", "sign_part", "sign_part_before", "par", "row_par"]
+    return [(n, "C", C) for n in names]
 
 
-def shared_floats(C: int, KT: int, VT: int, pads=(0, 0), state_tiles=STATE_TILES[-1]) -> dict:
-    """Floats of group memory each kernel declares (the states kernel with its own tiles,
-    ``state_tiles``); ``pads``: ``Dialect.matrix_pads``."""
+def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False) -> list:
+    """The arrays ``kind``'s kernel keeps in group memory (``GroupMemory.arrays``), for tiles of
+    ``KT x VT`` (the states kernels': their own ``state_tiles``); ``pads``:
+    ``Dialect.matrix_pads``."""
     rows, cols = pads
-    per_step = PER_STEP_FLOATS * C
-    return {"states": _states_floats(C, *state_tiles, pads),
-            "outputs": max(2 * C * (KT + rows), C * (VT + cols)) + C * (C + rows)
-            + KT * (VT + cols) + C * VT + per_step}
+    if kind in ("states", "adjoint"):
+        own = [("X", "C * LDX", C * (KT + cols)), ("Y", "C * LDY", C * (VT + cols)),
+               ("S", "KT * VT", KT * VT)]
+    elif kind == "outputs":
+        # c and a side by side, later b in the same memory
+        own = [("tiles", "TILES", max(2 * C * (KT + rows), C * (VT + cols))),
+               ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", KT * (VT + cols)),
+               ("Yt", "C * VT", C * VT)]
+    elif kind == "weights_adjoint":
+        own = [("sums", "WARPS * C", (THREADS // 32) * C)]
+    elif kind == "weights":
+        own = []
+    else:  # the chains and the gradients kernel keep nothing in group memory
+        return []
+    return own + _step_arrays(kind, C, signed)
 
 
-def tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
+def group_memory(kind: str, C: int, KT: int, VT: int, dialect, signed=False):
+    """``kind``'s ``GroupMemory`` on ``dialect``, or None where it fits neither the arrays the
+    target lets a kernel declare nor its dynamic group memory."""
+    arrays = tuple(group_arrays(kind, C, KT, VT, dialect.matrix_pads, signed))
+    memory = GroupMemory(arrays)
+    if memory.bytes <= dialect.shared_bytes:
+        return memory
+    if memory.bytes <= dialect.dynamic_shared_bytes:
+        return GroupMemory(arrays, dynamic=True)
+    return None
+
+
+def tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
     """``(KT, VT)``: the outputs kernel's largest tiles (V first: a wider V tile repeats less of
-    ``c @ aᵀ``) whose kernels fit ``shared_bytes`` of group memory, or None."""
+    ``c @ aᵀ``) whose group memory ``dialect`` gives (``group_memory``), or None."""
     for VT in (v for v in TILE_SIZES if v <= _padded(V)):
         for KT in (k for k in TILE_SIZES if k <= _padded(K)):
-            if max(shared_floats(C, KT, VT, pads).values()) * 4 <= shared_bytes:
+            if group_memory("outputs", C, KT, VT, dialect, signed) is not None:
                 return KT, VT
     return None
 
 
-def state_tiles(C: int, K: int, V: int, shared_bytes: int, pads=(0, 0)) -> tuple:
+def state_tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
     """The states kernel's ``(K tile, V tile)``: the first of ``STATE_TILES`` no larger than the
-    state (rounded up to 16) whose kernel fits ``shared_bytes`` of group memory, else the last
-    (the smallest, which every dialect's group memory holds)."""
+    state (rounded up to 16) whose group memory ``dialect`` gives, else the last (the smallest,
+    which every dialect's group memory holds)."""
     for SK, SV in STATE_TILES[:-1]:
         if SK <= _padded(K) and SV <= _padded(V) and \
-                _states_floats(C, SK, SV, pads) * 4 <= shared_bytes:
+                group_memory("states", C, SK, SV, dialect, signed) is not None:
             return SK, SV
     return STATE_TILES[-1]
 
@@ -142,7 +195,19 @@ class MatrixRenderer:
                     LDC=KT + rows, LDW=s.C + rows, LDS=VT + cols, LDB=VT + cols,
                     tiles=max(2 * s.C * (KT + rows), s.C * (VT + cols)),
                     row_exponent="s" if s.inclusive else "before",
-                    row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t")
+                    row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
+                    memory=self.memory(kind), LOADS_AHEAD=LOADS_AHEAD)
+
+    def memory(self, kind: str) -> GroupMemory:
+        """The group memory of ``kind``'s kernel (a shape is only made where it fits)."""
+        s = self.shape
+        states = kind in ("states", "adjoint", "chain", "adjoint_chain")
+        KT, VT = s.state_tiles if states else (s.KT, s.VT)
+        memory = group_memory(kind, s.C, KT, VT, self.d, s.signed)
+        if memory is None:
+            raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, tiles of "
+                             f"{KT} x {VT} exceeds what {self.d.name} gives a kernel")
+        return memory
 
     def header(self, kind: str) -> str:
         return environment().get_template("matrix_header.j2").render(**self._context(kind))
@@ -175,5 +240,5 @@ class MatrixRenderer:
             **self._context("gradients"))
 
 
-__all__ = ["MatrixKernelShape", "MatrixRenderer", "STATE_TILES", "THREADS", "shared_floats",
-           "state_tiles", "tiles"]
+__all__ = ["GroupMemory", "MatrixKernelShape", "MatrixRenderer", "STATE_TILES", "THREADS",
+           "group_arrays", "group_memory", "state_tiles", "tiles"]

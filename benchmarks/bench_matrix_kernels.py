@@ -1,0 +1,87 @@
+"""The matrix schedule's kernel variants on CUDA, in one process: the readouts as MLX's matmuls
+around the weights kernel or in the outputs kernel (``matrix_kernels.OUTPUTS_BY_MATMULS``), and
+the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
+(``Dialect.dynamic_shared_bytes``), beside FLA's chunk kernel on the same inputs.
+
+    python benchmarks/bench_matrix_kernels.py --cases 4,5 --out bench-matrix-kernels.json
+
+``--cases`` indexes ``bench_peers.CASES``; times are ``bench_peers``'s (pipelined MLX calls,
+medians of batches), ms, with the peak memory of forward+backward in GB and the relative error of
+the output against the first variant. Each variant runs a fresh ``Recurrence`` with the kernels
+rendered anew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_recgen as rg
+from bench_peers import CASES, PEERS, make_inputs, ours, peers_run, rel, versions
+from mlx_recgen.backends import matrix_kernels as mk
+from mlx_recgen.memo import LRU
+from mlx_recgen.render.dialects import DIALECTS
+
+VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes)
+    "matmuls, declared tiles": (True, 0),
+    "matmuls, dynamic tiles": (True, DIALECTS["cuda"].dynamic_shared_bytes),
+    "outputs kernel, declared tiles": (False, 0),
+    "outputs kernel, dynamic tiles": (False, DIALECTS["cuda"].dynamic_shared_bytes),
+}
+
+
+def use(variant):
+    """Run the CUDA matrix kernels as ``variant`` says, rendered anew."""
+    by_matmuls, dynamic = VARIANTS[variant]
+    mk.OUTPUTS_BY_MATMULS["cuda"] = by_matmuls
+    kernels = mk.matrix_kernels("cuda")
+    kernels.dialect = dataclasses.replace(DIALECTS["cuda"], dynamic_shared_bytes=dynamic)
+    kernels._kernels, kernels._cores, kernels._shapes = LRU(32), LRU(32), LRU(64)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="4,5", help="indices into bench_peers.CASES")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--variants", default="0,1,2,3", help="indices into VARIANTS")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--peer", default="chunk_simple_gla", help="a peer of bench_peers.PEERS, or ''")
+    p.add_argument("--out", default="bench-matrix-kernels.json")
+    args = p.parse_args()
+    names = [list(VARIANTS)[int(i)] for i in args.variants.split(",")]
+    result = dict(date=str(datetime.date.today()), versions=versions(), rows=[])
+    rng = np.random.default_rng(0)
+    for dtype in args.dtypes.split(","):
+        for name, shape, _ in (CASES[int(i)] for i in args.cases.split(",")):
+            xs = make_inputs(name, shape, rng)
+            w = rng.standard_normal(tuple(shape[a] for a in ("B", "L", "H", "V")))
+            w = w.astype(np.float32)
+            mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+            row = dict(spec=name, shape=shape, dtype=dtype, runs={})
+            base = None
+            for variant in names:
+                use(variant)
+                r = ours(rg.Recurrence(rg.load_spec(name).spec), xs, w, mdt, "matrix", args.reps)
+                y = r.pop("y")
+                base = y if base is None else base
+                r["err"] = rel(y, base)
+                row["runs"][variant] = r
+                print(name, shape, dtype, variant, r, flush=True)
+                mx.clear_cache()
+            if args.peer and args.peer in PEERS.get(name, []):
+                r = peers_run(args.peer, name, xs, w, dtype, args.reps)
+                r["err"] = rel(r.pop("y"), base)
+                row["runs"][args.peer] = r
+                print(name, shape, dtype, args.peer, r, flush=True)
+            result["rows"].append(row)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
