@@ -1,7 +1,8 @@
 """The matrix schedule's kernel variants on CUDA, in one process: the readouts as MLX's matmuls
 around the weights kernel or in the outputs kernel (``matrix_kernels.OUTPUTS_BY_MATMULS``), and
 the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
-(``Dialect.dynamic_shared_bytes``), beside FLA's chunk kernel on the same inputs.
+(``Dialect.dynamic_shared_bytes``), beside FLA's chunk kernel on the same inputs. Variants named
+more than once run in turn (``--variants 3,1,3,1``): one process's first calls can run slower.
 
     python benchmarks/bench_matrix_kernels.py --cases 4,5 --out bench-matrix-kernels.json
 
@@ -48,7 +49,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="4,5", help="indices into bench_peers.CASES")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--variants", default="0,1,2,3", help="indices into VARIANTS")
+    p.add_argument("--variants", default="0,1,2,3",
+                   help="indices into VARIANTS, in the order run (repeats alternate them)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peer", default="chunk_simple_gla", help="a peer of bench_peers.PEERS, or ''")
     p.add_argument("--out", default="bench-matrix-kernels.json")
@@ -62,7 +64,7 @@ def main():
             w = rng.standard_normal(tuple(shape[a] for a in ("B", "L", "H", "V")))
             w = w.astype(np.float32)
             mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
-            row = dict(spec=name, shape=shape, dtype=dtype, runs={})
+            row = dict(spec=name, shape=shape, dtype=dtype, runs=[])
             base = None
             for variant in names:
                 use(variant)
@@ -70,13 +72,13 @@ def main():
                 y = r.pop("y")
                 base = y if base is None else base
                 r["err"] = rel(y, base)
-                row["runs"][variant] = r
+                row["runs"].append([variant, r])
                 print(name, shape, dtype, variant, r, flush=True)
                 mx.clear_cache()
             if args.peer and args.peer in PEERS.get(name, []):
                 r = peers_run(args.peer, name, xs, w, dtype, args.reps)
                 r["err"] = rel(r.pop("y"), base)
-                row["runs"][args.peer] = r
+                row["runs"].append([args.peer, r])
                 print(name, shape, dtype, args.peer, r, flush=True)
             result["rows"].append(row)
             with open(args.out, "w") as f:
