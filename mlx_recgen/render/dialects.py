@@ -39,6 +39,9 @@ class Dialect:
     shared_pointer: str = ""
     shared_bytes: int = 32768
     matrix_prelude: str = ""
+    # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
+    # not ok), complete in this thread after recgen_group_copies_done(); then a barrier
+    group_copy_prelude: str = ""
     # group memory sized at launch, where the target has it beyond ``shared_bytes`` of
     # declared arrays: the declaration of that buffer (``{}``: its name) and the most a kernel
     # takes (0: none; every array is declared)
@@ -99,6 +102,12 @@ inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A,
     simdgroup_store(acc, D, ldd, ulong2(j, i));
   }
 }
+""",
+    group_copy_prelude="""\
+inline void recgen_copy_to_group(threadgroup float* dst, const device float* src, bool ok) {
+  *dst = ok ? *src : 0.0f;
+}
+inline void recgen_group_copies_done() {}
 """,
     math={k: ("metal::" + v if not v.startswith("recgen_") else v) for k, v in _COMMON_MATH.items()},
     prelude="""\
@@ -203,6 +212,19 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
       d0[8 * ldd + 1] = c[n][3];
     }
   }
+}
+""",
+    # copies that bypass the registers (cp.async, sm_80 and later): a thread issues all of a
+    # tile's at once, where loads through registers held 8 or 16 in flight
+    group_copy_prelude="""\
+__device__ inline void recgen_copy_to_group(float* dst, const float* src, bool ok) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  // src-size 0 reads nothing and fills the destination with zeros
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\\n" ::"r"(to), "l"(src),
+               "r"(ok ? 4 : 0));
+}
+__device__ inline void recgen_group_copies_done() {
+  asm volatile("cp.async.wait_all;\\n" ::);
 }
 """,
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},

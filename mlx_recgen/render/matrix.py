@@ -45,9 +45,12 @@ from dataclasses import dataclass
 from .kernels import environment
 
 THREADS = 128  # four simdgroups / warps per threadgroup
-# Tiles go from device memory to group memory this many elements a thread at a time: fully
-# unrolled, a 64 x 64 tile's loads all wait in registers (255 a thread on CUDA, and spills)
-LOADS_AHEAD = 8
+# How many times the loops over a tile's elements are unrolled: unrolled fully, every address
+# of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
+# registers (255 a thread on CUDA, and spills)
+UNROLL = 8
+# Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
+WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
 # The states kernel's K and V tiles, largest first: each threadgroup repeats its chunk's loads
 # of log d and running sums, and a 32 x 32 tile keeps two of four warps busy in the product
@@ -58,7 +61,10 @@ STATE_TILES = ((64, 64), (64, 32), (32, 32))
 
 # the per-step exponentials each kernel reads: exp(Λ_C - Λ_j) scales the states kernel's a,
 # exp(R_t) the adjoint's c and the readouts' c @ S_start; both states kernels store exp(Λ_C)
-_EXPONENTIALS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"), "outputs": ("row",)}
+# (and "spans": the sums of whole groups between two groups, for the kernels that sum a range
+# per weight)
+_EXPONENTIALS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
+                 "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",)}
 
 
 def _padded(n: int) -> int:
@@ -98,7 +104,9 @@ def _step_arrays(kind: str, C: int, signed: bool) -> list:
               if key in _EXPONENTIALS.get(kind, ())]
     if signed:
         names += ["step_sign", "sign_part", "sign_part_before", "par", "row_par"]
-    return [(n, "C", C) for n in names]
+    spans = [("group_spans", "(C / 8) * (C / 8)", (C // 8) ** 2)] \
+        if "spans" in _EXPONENTIALS.get(kind, ()) else []
+    return [(n, "C", C) for n in names] + spans
 
 
 def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False) -> list:
@@ -196,7 +204,8 @@ class MatrixRenderer:
                     tiles=max(2 * s.C * (KT + rows), s.C * (VT + cols)),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
-                    memory=self.memory(kind), LOADS_AHEAD=LOADS_AHEAD)
+                    memory=self.memory(kind), UNROLL=UNROLL,
+                    ROWS=WEIGHT_ROWS)
 
     def memory(self, kind: str) -> GroupMemory:
         """The group memory of ``kind``'s kernel (a shape is only made where it fits)."""
