@@ -23,7 +23,7 @@ import re
 import mlx_recgen as rg
 from mlx_recgen.backends.matrix_kernels import (MatrixKernels, MatrixRenderer, kernel_chunk,
                                                 kernel_flags, matrix_source)
-from mlx_recgen.render.matrix import THREADS
+from mlx_recgen.render.matrix import THREADS, group_threads
 
 KINDS = ("states", "outputs", "weights", "weights_adjoint")
 
@@ -88,7 +88,7 @@ int main() {
     states_kernel<<<@STATES_GROUPS@, @THREADS@, states_smem>>>(a, b, log_d, @SIGN@dims, local, decay);
   });
   const float outputs_us = timed([&] {
-    outputs_kernel<<<@OUTPUTS_GROUPS@, @THREADS@, outputs_smem>>>(c, a, b, log_d, @SIGN@local, dims, out);
+    outputs_kernel<<<@OUTPUTS_GROUPS@, @OUTPUT_THREADS@, outputs_smem>>>(c, a, b, log_d, @SIGN@local, dims, out);
   });
   const float weights_us = timed([&] {
     weights_kernel<<<I * nc, @THREADS@>>>(scores, log_d, @SIGN@dims, w);
@@ -188,6 +188,7 @@ def program(spec: str, I: int, T: int, K: int, V: int, seg: int = 64) -> str:
                        ("OUTPUTS_SMEM", memory["outputs"].bytes if memory["outputs"].dynamic else 0),
                        ("STATES_GROUPS", I * nc * -(-K // SK) * -(-V // SV)),
                        ("OUTPUTS_GROUPS", I * nc * -(-V // shape.VT)), ("THREADS", THREADS),
+                       ("OUTPUT_THREADS", group_threads("outputs")),
                        ("SIGN", "sign, " if signed else ""),
                        ("NAME", f"{spec} matrix kernels, I={I} T={T} K={K} V={V} C={shape.C}, "
                                 f"tiles {shape.KT}x{shape.VT}, states {SK}x{SV}")):

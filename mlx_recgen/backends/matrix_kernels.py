@@ -38,7 +38,8 @@ import mlx.core as mx
 from ..function import first_order_only, opaque
 from ..memo import LRU
 from ..render.dialects import DIALECTS
-from ..render.matrix import THREADS, MatrixKernelShape, MatrixRenderer, state_tiles, tiles
+from ..render.matrix import (THREADS, MatrixKernelShape, MatrixRenderer, group_threads,
+                             state_tiles, tiles)
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, carry, causal_weights, parity
@@ -179,7 +180,8 @@ class MatrixKernels:
         groups = I * nc * -(-V // shape.VT)
         return self._kernel(shape, "outputs")(
             inputs=[c, a, b, log_d, *_signs(sign), starts, mx.array([T], dtype=mx.int32)],
-            grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            grid=(groups * group_threads("outputs"), 1, 1),
+            threadgroup=(group_threads("outputs"), 1, 1),
             output_shapes=[(I, T, V)], output_dtypes=[mx.float32])[0]
 
     def _outputs_by_matmuls(self, shape, c, a, b, log_d, sign, starts):
