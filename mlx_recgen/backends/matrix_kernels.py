@@ -58,9 +58,11 @@ KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", 
            "gradients")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
-# kernel, per backend: on CUDA, where an H100 ran GLA's B8 H16 L4096 forward in 2.40 against
-# 2.97 ms (the same results file); Metal keeps the outputs kernel, unmeasured on an Apple GPU
-OUTPUTS_BY_MATMULS = {"cuda": True}
+# kernel, per backend: none. CUDA ran them so (an H100: GLA B8 H16 L4096 forward 2.40 against
+# 2.97 ms) until the outputs kernel copied its tiles past the registers, in groups of 256: on an
+# H200 it then took GLA's forward from 1.30-1.39 to 1.27-1.28 ms at B8 fp32 (1.54-1.56 to 1.40
+# in bf16), in less memory (benchmarks/results/bench-matrix-kernels-async-H200-2026-11-27.md)
+OUTPUTS_BY_MATMULS: dict = {}
 
 
 def kernel_chunk(seg: int) -> int:
