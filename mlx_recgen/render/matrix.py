@@ -48,11 +48,6 @@ THREADS = 128  # four simdgroups / warps per threadgroup
 # The outputs kernel's groups: eight simdgroups, so each thread forms and copies half as many of
 # a chunk's elements (GLA B8 H16 L4096 K=V=64 on an H200, the kernel alone: 641 -> 486 µs)
 OUTPUT_THREADS = 256
-
-
-def group_threads(kind: str) -> int:
-    """Threads of a group of ``kind``'s kernel."""
-    return OUTPUT_THREADS if kind == "outputs" else THREADS
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
@@ -73,6 +68,11 @@ STATE_TILES = ((64, 64), (64, 32), (32, 32))
 # per weight)
 _EXPONENTIALS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
                  "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",)}
+
+
+def group_threads(kind: str) -> int:
+    """Threads of a group of ``kind``'s kernel."""
+    return OUTPUT_THREADS if kind == "outputs" else THREADS
 
 
 def _padded(n: int) -> int:
@@ -202,7 +202,8 @@ class MatrixRenderer:
         states = kind in ("states", "adjoint", "chain", "adjoint_chain")
         KT, VT = s.state_tiles if states else (s.KT, s.VT)
         return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C,
-                    exponentials=_EXPONENTIALS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT, NT=group_threads(kind),
+                    exponentials=_EXPONENTIALS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
+                    NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
                     diagonal=s.diagonal,  # the causal weights' columns j of row t, and the others
                     causal="j <= t" if s.diagonal else "j < t",
@@ -212,8 +213,7 @@ class MatrixRenderer:
                     tiles=max(2 * s.C * (KT + rows), s.C * (VT + cols)),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
-                    memory=self.memory(kind), UNROLL=UNROLL,
-                    ROWS=WEIGHT_ROWS)
+                    memory=self.memory(kind), UNROLL=UNROLL, ROWS=WEIGHT_ROWS)
 
     def memory(self, kind: str) -> GroupMemory:
         """The group memory of ``kind``'s kernel (a shape is only made where it fits)."""
