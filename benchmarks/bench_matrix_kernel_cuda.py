@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import re
 
 import mlx_recgen as rg
 from mlx_recgen.backends.matrix_kernels import (MatrixKernels, MatrixRenderer, kernel_chunk,
                                                 kernel_flags, matrix_source)
 from mlx_recgen.render.matrix import THREADS, group_threads
+from bench_scan_kernel import filled, standalone  # this script's folder is first on sys.path
 
 KINDS = ("states", "outputs", "weights", "weights_adjoint")
 
@@ -155,14 +155,6 @@ int main() {
 '''
 
 
-def _standalone(text: str, name: str) -> str:
-    """A kernel's full text (MLX's signature) as a plain CUDA kernel called ``name``."""
-    text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
-                        "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>")
-    text = text.replace("namespace mlx::core::cu {", "").replace("} // namespace mlx::core::cu", "")
-    return re.sub(r"__global__ void \w+\(", f"__global__ void {name}(", text)
-
-
 def program(spec: str, I: int, T: int, K: int, V: int, seg: int = 64) -> str:
     rec = rg.load_spec(spec)
     flags = next(f for f in (kernel_flags(rec.matrix, st) for st in rec.matrix.states) if f)
@@ -179,20 +171,17 @@ def program(spec: str, I: int, T: int, K: int, V: int, seg: int = 64) -> str:
     # headers are the states kernel's less the products' helpers)
     kernels = ""
     for kind in KINDS:
-        text = _standalone(texts[kind], f"{kind}_kernel")
+        text = standalone(texts[kind], f"{kind}_kernel")
         kernels += text if kind == "states" else text[text.index(f"__global__ void {kind}_kernel"):]
-    harness = HARNESS
-    for key, value in (("I", I), ("T", T), ("K", K), ("V", V), ("C", shape.C),
-                       ("INCLUSIVE", str(inclusive).lower()), ("DIAGONAL", str(diagonal).lower()),
-                       ("STATES_SMEM", memory["states"].bytes if memory["states"].dynamic else 0),
-                       ("OUTPUTS_SMEM", memory["outputs"].bytes if memory["outputs"].dynamic else 0),
-                       ("STATES_GROUPS", I * nc * -(-K // SK) * -(-V // SV)),
-                       ("OUTPUTS_GROUPS", I * nc * -(-V // shape.VT)), ("THREADS", THREADS),
-                       ("OUTPUT_THREADS", group_threads("outputs")),
-                       ("SIGN", "sign, " if signed else ""),
-                       ("NAME", f"{spec} matrix kernels, I={I} T={T} K={K} V={V} C={shape.C}, "
-                                f"tiles {shape.KT}x{shape.VT}, states {SK}x{SV}")):
-        harness = harness.replace(f"@{key}@", str(value))
+    harness = filled(
+        HARNESS, I=I, T=T, K=K, V=V, C=shape.C, INCLUSIVE=str(inclusive).lower(),
+        DIAGONAL=str(diagonal).lower(),
+        STATES_SMEM=memory["states"].bytes if memory["states"].dynamic else 0,
+        OUTPUTS_SMEM=memory["outputs"].bytes if memory["outputs"].dynamic else 0,
+        STATES_GROUPS=I * nc * -(-K // SK) * -(-V // SV), OUTPUTS_GROUPS=I * nc * -(-V // shape.VT),
+        THREADS=THREADS, OUTPUT_THREADS=group_threads("outputs"), SIGN="sign, " if signed else "",
+        NAME=f"{spec} matrix kernels, I={I} T={T} K={K} V={V} C={shape.C}, "
+             f"tiles {shape.KT}x{shape.VT}, states {SK}x{SV}")
     return kernels + harness
 
 

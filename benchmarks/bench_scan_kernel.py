@@ -90,6 +90,22 @@ int main() {
 '''
 
 
+def standalone(text: str, name: str) -> str:
+    """A kernel's full CUDA text as MLX compiles it, as a plain CUDA kernel called ``name``
+    (standard headers for MLX's, out of MLX's namespace)."""
+    text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
+                        "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>")
+    text = text.replace("namespace mlx::core::cu {", "").replace("} // namespace mlx::core::cu", "")
+    return re.sub(r"__global__ void \w+\(", f"__global__ void {name}(", text)
+
+
+def filled(harness: str, **values) -> str:
+    """``harness`` with each ``@KEY@`` replaced by ``values[KEY]``."""
+    for key, value in values.items():
+        harness = harness.replace(f"@{key}@", str(value))
+    return harness
+
+
 def program(dtype: str, B: int, L: int, D: int) -> str:
     rec = rg.load_spec("rglru")
     sch = make_scan_schedule(rec.spec, {"B": B, "L": L, "D": D}, scan_run(rec.spec))
@@ -97,16 +113,9 @@ def program(dtype: str, B: int, L: int, D: int) -> str:
     for name, value in (("STRETCH", sch.seg), ("TG", sch.threads), ("LB", sch.lane_block),
                         ("RUN", sch.run)):
         text = re.sub(rf"constexpr int {name} = \d+;", f"constexpr int {name} = {value};", text)
-    text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
-                        "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>")
-    text = text.replace("namespace mlx::core::cu {", "").replace("} // namespace mlx::core::cu", "")
-    text = re.sub(r"__global__ void \w+\(", "__global__ void scan_forward(", text)
-    harness = HARNESS
-    for key, value in (("CTYPE", C_TYPES[dtype]), ("B", B), ("L", L), ("D", D),
-                       ("LB", sch.lane_block), ("TG", sch.threads), ("STRETCH", sch.seg),
-                       ("NAME", f"rglru forward B{B} L{L} D{D} {dtype}")):
-        harness = harness.replace(f"@{key}@", str(value))
-    return text + harness
+    text = standalone(text, "scan_forward")
+    return text + filled(HARNESS, CTYPE=C_TYPES[dtype], B=B, L=L, D=D, LB=sch.lane_block,
+                         TG=sch.threads, STRETCH=sch.seg, NAME=f"rglru forward B{B} L{L} D{D} {dtype}")
 
 
 def main():
