@@ -267,7 +267,8 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
     assert (shape.KT, shape.VT) == (64, 64) and shape.state_tiles == (64, 64)
     for kind, dynamic in (("outputs", True), ("states", True), ("weights_adjoint", False)):
         memory = mk.MatrixRenderer(kernels.dialect, shape).memory(kind)
-        assert memory.dynamic == dynamic and memory.bytes == 4 * sum(n for *_, n in memory.arrays)
+        assert memory.dynamic == dynamic
+        assert (memory.bytes > kernels.dialect.shared_bytes) == dynamic
         kernels._kernel(shape, kind)
         body = made[-1]["source"]
         assert ("extern __shared__" in body) == dynamic
