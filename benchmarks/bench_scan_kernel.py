@@ -21,6 +21,7 @@ import mlx.core as mx
 
 import mlx_recgen as rg
 from mlx_recgen.backends.kernels import kernel_source
+from mlx_recgen.backends.mlx_source import without_mlx_header
 from mlx_recgen.schedule import make_scan_schedule, scan_run
 
 C_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}
@@ -92,9 +93,8 @@ int main() {
 
 def standalone(text: str, name: str) -> str:
     """A kernel's full CUDA text as MLX compiles it, as a plain CUDA kernel called ``name``
-    (standard headers for MLX's, out of MLX's namespace)."""
-    text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
-                        "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>")
+    (a stand-in for MLX's header, out of MLX's namespace)."""
+    text = without_mlx_header(text)
     text = text.replace("namespace mlx::core::cu {", "").replace("} // namespace mlx::core::cu", "")
     return re.sub(r"__global__ void \w+\(", f"__global__ void {name}(", text)
 

@@ -20,6 +20,7 @@ import mlx_recgen as rg
 from conftest import KERNEL_BACKENDS, rel_err
 from references import gla_ref
 from mlx_recgen.backends import matrix_kernels as mk
+from mlx_recgen.backends.mlx_source import without_mlx_header
 from test_matrix import _assert_matches
 from test_zoo import _draw, _from_spec, _reference, _to_spec
 
@@ -284,6 +285,36 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
     assert mk.tiles(64, 64, 64, none) is None
 
 
+def test_the_kernels_read_factors_where_they_lie():
+    """The states and outputs kernels take ``c``, ``a``, ``b`` as ``(*batch, T, X)`` views at any
+    strides (``matrix_kernels.STRIDED``): transposed from the spec's layout, sliced, broadcast
+    over a batch axis. They give the numbers of contiguous copies bit for bit, and the chunk form
+    in MLX ops within rounding; gradients come back in the views' shapes."""
+    kernels = mk.matrix_kernels("metal-sim")
+    B, H, T, K, V = 2, 3, 40, 16, 8
+    shape = kernels.shape(16, K, V, inclusive=True, diagonal=True)
+    core = kernels.core(shape)
+    mx.random.seed(3)
+    c = mx.transpose(mx.random.normal((B, T + 1, H, K)), (0, 2, 1, 3))[:, :, 1:]
+    a = mx.broadcast_to(mx.random.normal((B, 1, T, K)), (B, H, T, K))
+    b = mx.transpose(mx.random.normal((B, T, H, V)), (0, 2, 1, 3))
+    log_d = mx.random.uniform(-0.5, 0.0, (B * H, T))
+    S0 = mx.random.normal((B * H, K, V))
+    views = core(c, a, b, log_d, log_d, S0)
+    copies = core(*(mx.contiguous(x) for x in (c, a, b)), log_d, log_d, S0)
+    in_ops = mk.core_in_ops(shape, *(x.reshape(B * H, T, -1) for x in (c, a, b)), log_d, log_d,
+                            S0)
+    for x, y, z in zip(views, copies, in_ops):
+        assert mx.array_equal(x, y).item()
+        assert rel_err(x, z) < TOL
+    cotangents = [mx.random.normal(y.shape) for y in views]
+    _, grads = mx.vjp(lambda c, a, b: core(c, a, b, log_d, log_d, S0), [c, a, b], cotangents)
+    _, grads_of_copies = mx.vjp(lambda c, a, b: core(c, a, b, log_d, log_d, S0),
+                                [mx.contiguous(x) for x in (c, a, b)], cotangents)
+    for g, h, x in zip(grads, grads_of_copies, (c, a, b)):
+        assert g.shape == x.shape and rel_err(g, h) < TOL
+
+
 def test_vector_decays_stay_in_mlx_ops(kernel_calls):
     """SSD's decay varies over the state axis: its chunk products stay MLX ops on every
     backend (same numbers as backend='mlx')."""
@@ -381,13 +412,12 @@ def test_forward_mode_and_second_order_through_the_kernels(kernel_calls, monkeyp
 @pytest.mark.parametrize("kind", mk.KERNELS)
 def test_cuda_text_compiles(tmp_path, kind):
     """The matrix kernels' CUDA text (the tensor-core MMA and the exact loop, signed or not)
-    compiles with nvcc for sm_90, MLX's device header replaced by the standard one."""
+    compiles with nvcc for sm_90, MLX's device header replaced by a stand-in."""
     for units in (True, False):
         for signed in (False, True):
             text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units,
                                     diagonal=signed)
-            text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
-                                "#include <cstdint>")
+            text = without_mlx_header(text)
             src = tmp_path / f"{kind}_{units}_{signed}.cu"
             src.write_text(text)
             res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",

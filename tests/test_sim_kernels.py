@@ -455,3 +455,32 @@ def test_common_msl_idioms():
     np.testing.assert_array_equal(out[:, 4], x)
     bf = np.array((mx.array(x).astype(mx.bfloat16) * 2).astype(mx.float32))
     np.testing.assert_array_equal(out[:, 5], bf)
+
+
+def test_inputs_as_they_lie_where_not_made_contiguous():
+    """With ``ensure_row_contiguous=False`` an input comes as MLX passes it: its memory as it lies
+    and its own strides. Transposed, sliced and broadcast views read through their strides give
+    their elements; a read past a view's last element is reported (on a GPU it may still land
+    in the array's buffer, but never in the view); with the default, the same views come as
+    row-contiguous copies."""
+    src = """
+        uint i = thread_position_in_grid.x;
+        uint r = i / inp_shape[1], c = i % inp_shape[1];
+        out[i] = inp[r * inp_strides[0] + c * inp_strides[1]];
+    """
+    base = mx.arange(24.0).reshape(4, 6)
+    views = [mx.transpose(base)[1:4], mx.broadcast_to(mx.arange(3.0)[None], (5, 3)),
+             base[:, ::2]]
+    for contiguous in (False, True):
+        k = sim.metal_kernel("strided_read", ["inp"], ["out"], src,
+                             ensure_row_contiguous=contiguous)
+        for x in views:
+            y = k(inputs=[x], grid=(x.size, 1, 1), threadgroup=(x.size, 1, 1),
+                  output_shapes=[(x.size,)], output_dtypes=[mx.float32])[0]
+            assert mx.array_equal(y, x.reshape(-1)).item()
+    past = sim.metal_kernel("read_past", ["inp"], ["out"],
+                            "out[0] = inp[inp_strides[0] * inp_shape[0]];",
+                            ensure_row_contiguous=False)
+    with pytest.raises(sim.OutOfBoundsError):
+        past(inputs=[base[:, ::2][1:3]], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+             output_shapes=[(1,)], output_dtypes=[mx.float32])

@@ -2,7 +2,8 @@
 
 For a state of the matrix form (``matrix.analyse``) with a scalar decay, one added term and one
 readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-step factors,
-``(I, T, K)`` arrays ``c`` and ``a``, ``(I, T, V)`` ``b``, ``(I, T)`` ``log |d|`` and sign of
+``(*batch, T, K)`` arrays ``c`` and ``a`` and ``(*batch, T, V)`` ``b`` at any strides (the
+``I`` instances run over the batch axes; ``STRIDED``), ``(I, T)`` ``log |d|`` and sign of
 ``d`` (``±1``) and the initial state ``(I, K, V)``, giving the readouts
 ``y[t] = c[t] · S[t-1]`` (``· d_t S[t-1]`` for a ``decayed`` readout, ``· S[t]`` for a
 ``diagonal`` one), the final state and the state entering every chunk. Everything else — the
@@ -31,6 +32,7 @@ kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most
 
 from __future__ import annotations
 
+import math
 import os
 
 import mlx.core as mx
@@ -57,6 +59,11 @@ DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint",
            "gradients")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
+# The kernels that read their per-step factors where they lie, ``(*batch, T, X)`` at any strides
+# (``matrix_strided.j2``): a factor that is an input in the spec's layout (GLA's q, k, v, as
+# ``(B, H, T, K)`` views of ``[B, L, H, K]``) or a broadcast is not copied first. Their other
+# inputs are row-contiguous as passed
+STRIDED = ("states", "adjoint", "outputs")
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
 # kernel, per backend: none. CUDA ran them so (an H100: GLA B8 H16 L4096 forward 2.40 against
 # 2.97 ms) until the outputs kernel copied its tiles past the registers, in groups of 256: on an
@@ -146,7 +153,8 @@ class MatrixKernels:
             # shared memory)
             launch = {"shared_memory": memory.bytes} if memory.dynamic else {}
             return self._factory(name=name, input_names=ins, output_names=outs, source=body,
-                                 header=header, **launch)
+                                 header=header, ensure_row_contiguous=kind not in STRIDED,
+                                 **launch)
 
         return self._kernels.get_or_build((shape, kind), build)
 
@@ -156,8 +164,8 @@ class MatrixKernels:
         first: the gradient leaving every chunk, and the initial state's). ``sign``: the
         decay's ``±1`` per step, for a shape that is ``signed`` (else None). Two launches:
         every chunk's state from zero at once, then the chain through the chunks."""
-        I, T, K = x.shape
-        V = y.shape[-1]
+        T, K = x.shape[-2:]
+        I, V = math.prod(x.shape[:-2]), y.shape[-1]
         nc = -(-T // shape.C)
         SK, SV = shape.state_tiles
         tiles = -(-K // SK) * -(-V // SV)
@@ -175,9 +183,8 @@ class MatrixKernels:
         """The readouts ``(I, T, V)`` of the chunks, from the state entering each: in the
         outputs kernel, or (``OUTPUTS_BY_MATMULS``) as MLX's matmuls around the weights kernel."""
         if OUTPUTS_BY_MATMULS.get(self.backend, False):
-            return self._outputs_by_matmuls(shape, c, a, b, log_d, sign, starts)
-        I, T, _ = c.shape
-        V = b.shape[-1]
+            return self._outputs_by_matmuls(shape, *_instances(c, a, b), log_d, sign, starts)
+        T, I, V = c.shape[-2], math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
         groups = I * nc * -(-V // shape.VT)
         return self._kernel(shape, "outputs")(
@@ -232,6 +239,8 @@ class MatrixKernels:
         return self._cores.get_or_build(shape, lambda: self._build_core(shape))
 
     def _build_core(self, shape):
+        # c, a, b: (*batch, T, X), read where they lie by the forward's kernels; the VJP and the
+        # forward-mode rule take them as (instance, T, X)
         @mx.custom_function
         def core(c, a, b, log_d, sign, init):
             # jvp and vmap walk into a custom function's body: jvp meets the stop-gradient
@@ -244,8 +253,10 @@ class MatrixKernels:
         def backward(c, a, b, log_d, sign, dy, d_last, starts):
             signs = sign if shape.signed else None
             leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last, reverse=True)
-            grads = self._chunk_gradients(shape, c, a, b, log_d, signs, dy, starts, leaving)
-            return (*grads, mx.zeros_like(sign), d_init)
+            dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b), log_d,
+                                                        signs, dy, starts, leaving)
+            return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape), d_log_d,
+                    mx.zeros_like(sign), d_init)
 
         # the kernels in the VJP have no derivatives: a second derivative raises
         backward = first_order_only(backward, self.backend)
@@ -263,7 +274,7 @@ class MatrixKernels:
             moving = (0, 1, 2, 3, 5)  # every argument but the sign
 
             def values(c, a, b, log_d, init):
-                return core_in_ops(shape, c, a, b, log_d, sign, init)
+                return core_in_ops(shape, *_instances(c, a, b), log_d, sign, init)
 
             return mx.jvp(values, [primals[i] for i in moving],
                           [mx.zeros_like(primals[i]) if tangents[i] is None else tangents[i]
@@ -324,6 +335,12 @@ def core_in_ops(shape, c, a, b, log_d, sign, init):
 
 def _tr(x):
     return mx.swapaxes(x, -1, -2)
+
+
+def _instances(*xs):
+    """``(*batch, T, X)`` arrays as ``(instance, T, X)`` (a copy where the batch axes do not
+    merge: for the chunk products in MLX ops, which the strided kernels do not need)."""
+    return [x.reshape(-1, *x.shape[-2:]) for x in xs]
 
 
 def _exponentials(lam, inclusive):
@@ -417,5 +434,5 @@ def matrix_kernels(backend: str) -> MatrixKernels:
     return _BY_BACKEND[backend]
 
 
-__all__ = ["DEFAULT_ON", "KERNELS", "MAX_CHUNK", "MatrixKernels", "enabled", "kernel_chunk",
+__all__ = ["DEFAULT_ON", "KERNELS", "MAX_CHUNK", "MatrixKernels", "STRIDED", "enabled", "kernel_chunk",
            "kernel_flags", "matrix_kernels", "matrix_source", "spec_matrix_source"]

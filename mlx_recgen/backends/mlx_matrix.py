@@ -528,14 +528,15 @@ class MatrixForm(SequentialForm):
         b = f[("b", s, None, 0)]
         log_d = mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR)
         T = log_d.shape[-2]
-        flat = lambda x: mx.contiguous(mx.broadcast_to(x, (*batch, T, x.shape[-1]))).reshape(
-            -1, T, x.shape[-1])
+        # the factors as (*batch, T, X) views, read where they lie (``matrix_kernels.STRIDED``)
+        lead = lambda x: mx.broadcast_to(x, (*batch, T, x.shape[-1]))
+        flat = lambda x: mx.contiguous(lead(x)).reshape(-1, T, x.shape[-1])
         log_d = flat(log_d)[..., 0]
         # the core reads the sign for a signed shape only (any array stands in otherwise); a
         # zero multiplier counts as positive: its floored log erases the state anyway
         sign = log_d if st.positive else \
             flat(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0))[..., 0]
-        y, S, _ = core(flat(c), flat(a), flat(b), log_d, sign, S0.reshape(-1, K, V))
+        y, S, _ = core(lead(c), lead(a), lead(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
 
     def _solve_reads(self, st, s, f, terms, log_d, between, from_start, to_end, whole, signs, U,

@@ -352,6 +352,21 @@ _CUDA_DEFAULT_HEADER = """
 #include <cooperative_groups.h>
 
 """
+# What the generated kernels use of MLX's device header, for compiling their text without MLX
+# (nvcc here, standalone programs): the fixed-size shape and strides arrays MLX passes
+MLX_CUDA_HEADER_STAND_IN = """#include <cstdint>
+#include <cuda/std/array>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define MAX_NDIM 8
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;"""
+
+
+def without_mlx_header(text: str) -> str:
+    """A kernel's CUDA text (``cuda_source``) with MLX's device header replaced by
+    ``MLX_CUDA_HEADER_STAND_IN``."""
+    return text.replace('#include "mlx/backend/cuda/device/utils.cuh"', MLX_CUDA_HEADER_STAND_IN)
 
 
 def cuda_kernel_name(name: str, template: Sequence[tuple[str, Any]] | None = None) -> str:

@@ -104,7 +104,8 @@ inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A,
 }
 """,
     group_copy_prelude="""\
-inline void recgen_copy_to_group(threadgroup float* dst, const device float* src, bool ok) {
+template <typename Source>  // a device or a constant pointer, as MLX passes the input
+inline void recgen_copy_to_group(threadgroup float* dst, Source src, bool ok) {
   *dst = ok ? *src : 0.0f;
 }
 inline void recgen_group_copies_done() {}

@@ -143,6 +143,34 @@ def _to_numpy(x, kernel: str = "") -> np.ndarray:
     return a
 
 
+def _laid_out(x, kernel: str = ""):
+    """``(buffer, element strides)`` of an input as MLX passes it to a kernel made with
+    ``ensure_row_contiguous=False``: its memory as it lies (transposed, sliced, broadcast), from
+    its first element to its last, and its own strides. A bfloat16 array, whose layout the buffer
+    protocol does not give, comes as a row-contiguous copy with its strides (the same elements at
+    the same indices)."""
+    if x.ndim and dtype_name(x.dtype) != "bfloat16":
+        try:
+            view = np.asarray(memoryview(x))
+        except (TypeError, ValueError, RuntimeError):
+            view = None
+        if view is not None:
+            strides = [s // view.itemsize for s in view.strides]
+            span = 1 + sum((n - 1) * st for n, st in zip(view.shape, strides)) if view.size else 0
+            flat = np.lib.stride_tricks.as_strided(view, shape=(span,), strides=(view.itemsize,))
+            return flat, strides
+    a = _to_numpy(x, kernel)
+    return a.reshape(-1), _row_major_strides(x.shape)
+
+
+def _row_major_strides(shape) -> list:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return strides[::-1]
+
+
 def _from_numpy(a: np.ndarray, name: str, shape):
     arr = mx.array(a.reshape(shape))
     if name == "bfloat16":
@@ -330,22 +358,20 @@ class SimKernel:
             descs.append(_BufDesc(arr.ctypes.data, arr.nbytes, esize, kind, nb, int(uninit),
                                   int(track)))
 
-        np_inputs = [_to_numpy(x, kname) for x in inputs]
+        # row-contiguous copies (MLX copies an input that is not), or, for a kernel made with
+        # ensure_row_contiguous=False, each input's memory as it lies with its own strides
+        laid = [(_to_numpy(x, kname), _row_major_strides(x.shape)) if self.ensure_row_contiguous
+                else _laid_out(x, kname) for x in inputs]
         for p in params:
             if p["kind"] == "input":
-                a = np_inputs[p["of"]]
+                a = laid[p["of"]][0]
                 add(a, a.itemsize, 0, p["name"], False, False)
             elif p["kind"] == "shape":
                 x = inputs[p["of"]]
                 a = np.array(x.shape, dtype=np.int32)
                 add(a, 4, 3, p["name"], False, False)
             elif p["kind"] == "strides":
-                x = inputs[p["of"]]
-                st, acc = [], 1
-                for d in reversed(x.shape):
-                    st.append(acc)
-                    acc *= d
-                a = np.array(list(reversed(st)), dtype=np.int64)
+                a = np.array(laid[p["of"]][1], dtype=np.int64)
                 add(a, 8, 3, p["name"], False, False)
             elif p["kind"] == "ndim":
                 a = np.array([inputs[p["of"]].ndim], dtype=np.int32)
