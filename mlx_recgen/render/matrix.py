@@ -62,12 +62,13 @@ TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA 
 STATE_TILES = ((64, 64), (64, 32), (32, 32))
 
 
-# the per-step exponentials each kernel reads: exp(Λ_C - Λ_j) scales the states kernel's a,
-# exp(R_t) the adjoint's c and the readouts' c @ S_start; both states kernels store exp(Λ_C)
-# (and "spans": the sums of whole groups between two groups, for the kernels that sum a range
-# per weight)
-_EXPONENTIALS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
-                 "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",)}
+# the per-chunk sums each kernel reads beyond log d's running sums (``matrix_cumulate.j2``):
+# the exponentials exp(Λ_C - Λ_j) ("tail", scaling the states kernel's a), exp(R_t) ("row":
+# the adjoint's c, the readouts' c @ S_start) and Λ_C ("whole": both states kernels store
+# exp(Λ_C)); and the sums of whole groups of 8 steps between any two groups ("spans", for the
+# kernels that sum a range per weight)
+_CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
+               "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",)}
 
 
 def group_threads(kind: str) -> int:
@@ -105,15 +106,15 @@ class GroupMemory:
 
 def _step_arrays(kind: str, C: int, signed: bool) -> list:
     """The per-step values of ``matrix_cumulate.j2``: log d and its sums within groups of 8
-    steps, the exponentials the kernel reads (``_EXPONENTIALS``), and the signs' running
+    steps, the sums the kernel reads (``_CHUNK_SUMS``), and the signs' running
     products for a decay of unknown sign."""
     names = ["step_log", "part", "part_before"]
     names += [name for key, name in (("whole", "cum"), ("row", "row_exp"), ("tail", "tail_exp"))
-              if key in _EXPONENTIALS.get(kind, ())]
+              if key in _CHUNK_SUMS.get(kind, ())]
     if signed:
         names += ["step_sign", "sign_part", "sign_part_before", "par", "row_par"]
     spans = [("group_spans", "(C / 8) * (C / 8)", (C // 8) ** 2)] \
-        if "spans" in _EXPONENTIALS.get(kind, ()) else []
+        if "spans" in _CHUNK_SUMS.get(kind, ()) else []
     return [(n, "C", C) for n in names] + spans
 
 
@@ -202,7 +203,7 @@ class MatrixRenderer:
         states = kind in ("states", "adjoint", "chain", "adjoint_chain")
         KT, VT = s.state_tiles if states else (s.KT, s.VT)
         return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C,
-                    exponentials=_EXPONENTIALS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
+                    sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
                     NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
                     diagonal=s.diagonal,  # the causal weights' columns j of row t, and the others
