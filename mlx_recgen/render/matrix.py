@@ -198,10 +198,16 @@ class MatrixRenderer:
     def __init__(self, dialect, shape: MatrixKernelShape):
         self.d, self.shape = dialect, shape
 
+    def _tiles(self, kind: str) -> tuple:
+        """The ``(K tile, V tile)`` of ``kind``'s kernel: the states kernels' own."""
+        s = self.shape
+        return s.state_tiles if kind in ("states", "adjoint", "chain", "adjoint_chain") \
+            else (s.KT, s.VT)
+
     def _context(self, kind: str) -> dict:
         s, (rows, cols) = self.shape, self.d.matrix_pads
-        states = kind in ("states", "adjoint", "chain", "adjoint_chain")
-        KT, VT = s.state_tiles if states else (s.KT, s.VT)
+        KT, VT = self._tiles(kind)
+        memory = self.memory(kind)
         return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C,
                     sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
                     NT=group_threads(kind),
@@ -211,16 +217,16 @@ class MatrixRenderer:
                     masked="j > t" if s.diagonal else "j >= t",
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
                     LDC=KT + rows, LDW=s.C + rows, LDS=VT + cols, LDB=VT + cols,
-                    tiles=max(2 * s.C * (KT + rows), s.C * (VT + cols)),
+                    # the outputs kernel's c and a tiles (later b's): their floats
+                    tiles={name: n for name, _, n in memory.arrays}.get("tiles"),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
-                    memory=self.memory(kind), UNROLL=UNROLL, ROWS=WEIGHT_ROWS)
+                    memory=memory, UNROLL=UNROLL, ROWS=WEIGHT_ROWS)
 
     def memory(self, kind: str) -> GroupMemory:
         """The group memory of ``kind``'s kernel (a shape is only made where it fits)."""
         s = self.shape
-        states = kind in ("states", "adjoint", "chain", "adjoint_chain")
-        KT, VT = s.state_tiles if states else (s.KT, s.VT)
+        KT, VT = self._tiles(kind)
         memory = group_memory(kind, s.C, KT, VT, self.d, s.signed)
         if memory is None:
             raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, tiles of "
