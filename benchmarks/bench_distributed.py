@@ -37,21 +37,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
 import time
 
 import mlx.core as mx
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import mlx_recgen as rg  # noqa: E402
-from bench_peers import make_inputs  # noqa: E402
-from bench_scan import inputs_for  # noqa: E402
+import mlx_recgen as rg
+from bench_peers import make_inputs  # this script's folder is first on sys.path
+from bench_scan import inputs_for
 
 
 def chunk_lengths(L, world, chunks):
