@@ -459,8 +459,8 @@ def test_common_msl_idioms():
 
 def test_inputs_as_they_lie_where_not_made_contiguous():
     """With ``ensure_row_contiguous=False`` an input comes as MLX passes it: its memory as it lies
-    and its own strides. Transposed, sliced and broadcast views read through their strides give
-    their elements; a read past a view's last element is reported (on a GPU it may still land
+    and its own strides, which the kernel sees. Transposed, sliced and broadcast views read
+    through their strides give their elements; a read past a view's last element is reported (on a GPU it may still land
     in the array's buffer, but never in the view); with the default, the same views come as
     row-contiguous copies."""
     src = """
@@ -471,13 +471,19 @@ def test_inputs_as_they_lie_where_not_made_contiguous():
     base = mx.arange(24.0).reshape(4, 6)
     views = [mx.transpose(base)[1:4], mx.broadcast_to(mx.arange(3.0)[None], (5, 3)),
              base[:, ::2]]
+    strides_src = "strides[0] = inp_strides[0]; strides[1] = inp_strides[1];"
     for contiguous in (False, True):
         k = sim.metal_kernel("strided_read", ["inp"], ["out"], src,
                              ensure_row_contiguous=contiguous)
-        for x in views:
+        seen = sim.metal_kernel("seen_strides", ["inp"], ["strides"], strides_src,
+                                ensure_row_contiguous=contiguous)
+        for x, own in zip(views, ([1, 6], [0, 1], [6, 2])):
             y = k(inputs=[x], grid=(x.size, 1, 1), threadgroup=(x.size, 1, 1),
                   output_shapes=[(x.size,)], output_dtypes=[mx.float32])[0]
             assert mx.array_equal(y, x.reshape(-1)).item()
+            st = seen(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(2,)],
+                      output_dtypes=[mx.int32])[0]
+            assert st.tolist() == ([x.shape[1], 1] if contiguous else own)
     past = sim.metal_kernel("read_past", ["inp"], ["out"],
                             "out[0] = inp[inp_strides[0] * inp_shape[0]];",
                             ensure_row_contiguous=False)
