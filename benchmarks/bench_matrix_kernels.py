@@ -1,6 +1,7 @@
 """The matrix schedule's kernel variants on CUDA, in one process: the readouts as MLX's matmuls
-around the weights kernel or in the outputs kernel (``matrix_kernels.OUTPUTS_BY_MATMULS``), and
-the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
+around the weights kernel or in the outputs kernel (``matrix_kernels.OUTPUTS_BY_MATMULS``), the
+chunks' backward in one kernel or as MLX's matmuls between kernels
+(``matrix_kernels.GRADIENTS_BY_MATMULS``), and the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
 (``Dialect.dynamic_shared_bytes``), beside FLA's chunk kernel on the same inputs. Variants named
 more than once run in turn (``--variants 3,1,3,1``): one process's first calls can run slower.
 
@@ -28,18 +29,21 @@ from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.memo import LRU
 from mlx_recgen.render.dialects import DIALECTS
 
-VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes)
-    "matmuls, declared tiles": (True, 0),
-    "matmuls, dynamic tiles": (True, DIALECTS["cuda"].dynamic_shared_bytes),
-    "outputs kernel, declared tiles": (False, 0),
-    "outputs kernel, dynamic tiles": (False, DIALECTS["cuda"].dynamic_shared_bytes),
+DYNAMIC = DIALECTS["cuda"].dynamic_shared_bytes
+VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, backward by matmuls)
+    "matmuls, declared tiles": (True, 0, True),
+    "matmuls, dynamic tiles": (True, DYNAMIC, True),
+    "outputs kernel, declared tiles": (False, 0, True),
+    "outputs kernel, dynamic tiles": (False, DYNAMIC, True),
+    "outputs kernel, backward kernel": (False, DYNAMIC, False),
 }
 
 
 def use(variant):
     """Run the CUDA matrix kernels as ``variant`` says, rendered anew."""
-    by_matmuls, dynamic = VARIANTS[variant]
+    by_matmuls, dynamic, backward_by_matmuls = VARIANTS[variant]
     mk.OUTPUTS_BY_MATMULS["cuda"] = by_matmuls
+    mk.GRADIENTS_BY_MATMULS["cuda"] = backward_by_matmuls
     kernels = mk.matrix_kernels("cuda")
     kernels.dialect = dataclasses.replace(DIALECTS["cuda"], dynamic_shared_bytes=dynamic)
     kernels._kernels, kernels._cores, kernels._shapes = LRU(32), LRU(32), LRU(64)
@@ -49,7 +53,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="4,5", help="indices into bench_peers.CASES")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--variants", default="0,1,2,3",
+    p.add_argument("--variants", default="3,4",
                    help="indices into VARIANTS, in the order run (repeats alternate them)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peer", default="chunk_simple_gla", help="a peer of bench_peers.PEERS, or ''")

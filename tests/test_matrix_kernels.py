@@ -51,24 +51,38 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["outputs kernel", "matmuls"])
+@pytest.fixture(params=["kernels", "matmuls"])
 def readouts(request, monkeypatch):
-    """The readouts in the outputs kernel, or as MLX's matmuls around the weights kernel
-    (``OUTPUTS_BY_MATMULS``), on every kernel backend; afterwards, that path is the one that
-    ran."""
+    """The readouts in the outputs kernel and the chunks' backward in the chunk-gradients kernel,
+    or both as MLX's matmuls around the weights kernels (``OUTPUTS_BY_MATMULS``,
+    ``GRADIENTS_BY_MATMULS``), on every kernel backend; afterwards, that path is the one that
+    ran (the one backward kernel wherever its group memory is given)."""
     by_matmuls = request.param == "matmuls"
     for backend in ("metal", "metal-sim", "cuda"):
         monkeypatch.setitem(mk.OUTPUTS_BY_MATMULS, backend, by_matmuls)
-    ran = []
-    composed = mk.MatrixKernels._outputs_by_matmuls
+        monkeypatch.setitem(mk.GRADIENTS_BY_MATMULS, backend, by_matmuls)
+    ran = {"readouts": [], "one kernel": [], "products": []}
 
-    def counted(self, *args):
-        ran.append(True)
-        return composed(self, *args)
+    def counting(method, what):
+        def counted(self, shape, *args):
+            ran[what].append(shape)
+            return method(self, shape, *args)
+        return counted
 
-    monkeypatch.setattr(mk.MatrixKernels, "_outputs_by_matmuls", counted)
+    monkeypatch.setattr(mk.MatrixKernels, "_outputs_by_matmuls",
+                        counting(mk.MatrixKernels._outputs_by_matmuls, "readouts"))
+    monkeypatch.setattr(mk.MatrixKernels, "_chunk_gradients_in_one",
+                        counting(mk.MatrixKernels._chunk_gradients_in_one, "one kernel"))
+    monkeypatch.setattr(mk.MatrixKernels, "_chunk_gradients",
+                        counting(mk.MatrixKernels._chunk_gradients, "products"))
     yield request.param
-    assert bool(ran) == by_matmuls, f"the readouts did not run as {request.param}"
+    assert bool(ran["readouts"]) == by_matmuls, f"the readouts did not run as {request.param}"
+    assert ran["one kernel"] or ran["products"], "no backward ran"
+    if by_matmuls:
+        assert not ran["one kernel"]
+    else:
+        assert all(s.gradient_tiles is not None for s in ran["one kernel"])
+        assert all(s.gradient_tiles is None for s in ran["products"])
 
 
 def _run(name, backend, seg):
@@ -312,7 +326,7 @@ def test_the_kernels_read_factors_where_they_lie():
     _, grads_of_copies = mx.vjp(lambda c, a, b: core(c, a, b, log_d, log_d, S0),
                                 [mx.contiguous(x) for x in (c, a, b)], cotangents)
     for g, h, x in zip(grads, grads_of_copies, (c, a, b)):
-        assert g.shape == x.shape and rel_err(g, h) < TOL
+        assert g.shape == x.shape and mx.array_equal(g, h).item()
 
 
 def test_vector_decays_stay_in_mlx_ops(kernel_calls):

@@ -12,7 +12,8 @@ differentiates it; the core's VJP is
 
 * the states and chain kernels walked newest first: the gradient leaving each chunk (``G``)
   and ``dS0``;
-* per chunk, MLX's batched matmuls between two kernels: with the causal weights
+* per chunk, in one kernel (``chunk_gradients``) where its group memory is given, else as
+  MLX's batched matmuls between two kernels (``GRADIENTS_BY_MATMULS``): with the causal weights
   ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``; ``j ≤ t`` for a ``diagonal`` readout),
   ``W = M ∘ (c @ aᵀ)``, ``dW = M ∘ (dy @ bᵀ)``:
   ``dc = exp(R) ⊙ (dy @ Sᵀ) + dW @ a``, ``da = dWᵀ @ c + exp(Λ_C - Λ) ⊙ (b @ Gᵀ)``,
@@ -21,7 +22,8 @@ differentiates it; the core's VJP is
   holds it (a difference of two running sums would lose the digits of their magnitude). The
   gradients kernel adds the products up and sums the rows that carry the cotangents of
   ``exp(R)`` and ``exp(Λ_C - Λ)``, which MLX's VJP takes back onto ``log d`` through their
-  sums, as that of ``exp(Λ_C)``.
+  sums, as that of ``exp(Λ_C)``. The one kernel forms the same sums from the scores it keeps
+  in group memory (``render/matrix.py``); MLX's VJP of the exponentials is shared.
 
 Its forward-mode rule differentiates the same chunk form in MLX ops (``core_in_ops``); a
 second derivative and ``mx.vmap`` raise (the kernels have neither).
@@ -40,8 +42,8 @@ import mlx.core as mx
 from ..function import first_order_only, opaque
 from ..memo import LRU
 from ..render.dialects import DIALECTS
-from ..render.matrix import (THREADS, MatrixKernelShape, MatrixRenderer, group_threads,
-                             state_tiles, tiles)
+from ..render.matrix import (THREADS, MatrixKernelShape, MatrixRenderer, gradient_tiles,
+                             group_threads, state_tiles, tiles)
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, carry, causal_weights, parity
@@ -55,21 +57,26 @@ DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 # The kernels by kind: each chunk's state from zero and the chain through the chunks; the
 # readouts; the same two for the adjoint of the states (chained newest first); the causal
 # weights of the readouts, and with their cotangents those of the chunk gradients; the chunk
-# gradients from their products
+# gradients from their products; and the whole backward of the chunks in one
 KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint",
-           "gradients")
+           "gradients", "chunk_gradients")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 # The kernels that read their per-step factors where they lie, ``(*batch, T, X)`` at any strides
 # (``matrix_strided.j2``): a factor that is an input in the spec's layout (GLA's q, k, v, as
 # ``(B, H, T, K)`` views of ``[B, L, H, K]``) or a broadcast is not copied first. Their other
 # inputs are row-contiguous as passed
-STRIDED = ("states", "adjoint", "outputs")
+STRIDED = ("states", "adjoint", "outputs", "chunk_gradients")
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
 # kernel, per backend: none. CUDA ran them so (an H100: GLA B8 H16 L4096 forward 2.40 against
 # 2.97 ms) until the outputs kernel copied its tiles past the registers, in groups of 256: on an
 # H200 it then took GLA's forward from 1.30-1.39 to 1.27-1.28 ms at B8 fp32 (1.54-1.56 to 1.40
 # in bf16), in less memory (benchmarks/results/bench-matrix-kernels-async-H200-2026-11-27.md)
 OUTPUTS_BY_MATMULS: dict = {}
+# Where the backward of the chunks runs as MLX's matmuls between the weights-adjoint and gradients
+# kernels instead of in the one chunk-gradients kernel, per backend: none. The one kernel runs
+# wherever its group memory is given (``MatrixKernelShape.gradient_tiles``: CUDA at every chunk,
+# Metal's 32 KB up to chunks of 32), the other path elsewhere
+GRADIENTS_BY_MATMULS: dict = {}
 
 
 def kernel_chunk(seg: int) -> int:
@@ -106,7 +113,8 @@ class MatrixKernels:
         def build():  # decided once per call's sizes: a call builds its graph on each step
             t = tiles(C, K, V, d, signed)
             return None if t is None else MatrixKernelShape(
-                C, K, V, *t, inclusive, units, signed, diagonal, state_tiles(C, K, V, d, signed))
+                C, K, V, *t, inclusive, units, signed, diagonal, state_tiles(C, K, V, d, signed),
+                gradient_tiles(C, K, V, d, signed))
 
         # the dialect's memory in the key: tests swap in variants of it
         memory = (d.shared_bytes, d.dynamic_shared_bytes, d.matrix_pads)
@@ -134,6 +142,10 @@ class MatrixKernels:
             ins = ["c", "a", "dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
                    "dims"]
             outs = ["dc", "da", "db", "row_c", "row_a"]
+        elif kind == "chunk_gradients":
+            body = r.chunk_gradients()
+            ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving", "dims"]
+            outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
             ins, outs = ["local", "decay", "init", "dims"], ["states", "last"]
@@ -220,6 +232,23 @@ class MatrixKernels:
             output_dtypes=[mx.float32] * (3 if adjoint else 1))
         return outs if adjoint else outs[0]
 
+    def chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving):
+        """The chunks' backward in one kernel: ``(dc, da, db)`` ``(I, T, X)``, the rows' sums
+        that carry the cotangents of ``exp(R)`` and ``exp(Λ_C - Λ)`` (``Σ_k c (dy Sᵀ)``,
+        ``Σ_k a (b Gᵀ)``, ``(I, T)``), each chunk's ``Σ S ∘ G`` (that of ``exp(Λ_C)``,
+        ``(I, nc)``) and the cotangent of ``log d`` through the causal weights ``(I, T)``;
+        ``c``, ``a``, ``b``, ``dy`` are ``(*batch, T, X)`` at any strides."""
+        T, K = c.shape[-2:]
+        I, V = math.prod(c.shape[:-2]), b.shape[-1]
+        nc = -(-T // shape.C)
+        threads = group_threads("chunk_gradients")
+        return self._kernel(shape, "chunk_gradients")(
+            inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving,
+                    mx.array([T], dtype=mx.int32)],
+            grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T), (I, T), (I, nc), (I, T)],
+            output_dtypes=[mx.float32] * 7)
+
     def gradients(self, shape, cc, ac, dy_S, dW_a, dW_c, b_G, a_G, W_dy, e_row, e_end):
         """``(dc, da, db, Σ_k c dy_S, Σ_k a b_G)`` by chunk from the products (``(I, nc, C, X)``)
         and the exponentials with their signs (``(I, nc, C, 1)``): module docstring."""
@@ -253,8 +282,12 @@ class MatrixKernels:
         def backward(c, a, b, log_d, sign, dy, d_last, starts):
             signs = sign if shape.signed else None
             leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last, reverse=True)
-            dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b), log_d,
-                                                        signs, dy, starts, leaving)
+            if shape.gradient_tiles is None or GRADIENTS_BY_MATMULS.get(self.backend, False):
+                dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b), log_d,
+                                                            signs, dy, starts, leaving)
+            else:
+                dc, da, db, d_log_d = self._chunk_gradients_in_one(shape, c, a, b, log_d, signs,
+                                                                   dy, starts, leaving)
             return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape), d_log_d,
                     mx.zeros_like(sign), d_init)
 
@@ -282,6 +315,17 @@ class MatrixKernels:
 
         return core
 
+    def _chunk_gradients_in_one(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
+        """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk,
+        the chunk-gradients kernel's; MLX takes the exponentials' cotangents onto ``log d``."""
+        dc, da, db, row_c, row_a, whole, d_log_d = self.chunk_gradients(
+            shape, c, a, b, dy, log_d, sign, starts, leaving)
+        chunks = MatrixChunks(log_d.shape[-1], shape.C, 1)
+        d_lam = _through_exponentials(shape, chunks, log_d, sign,
+                                      *(chunks.cut(x[..., None]) for x in (row_c, row_a)),
+                                      whole[..., None, None])
+        return dc, da, db, d_lam + d_log_d
+
     def _chunk_gradients(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
         (module docstring): batched products over chunks, the causal weights and their
@@ -290,8 +334,7 @@ class MatrixKernels:
         chunks = MatrixChunks(c.shape[1], shape.C, 1)
         cc, ac, bc, dyc = (chunks.cut(x) for x in (c, a, b, dy))
         lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
-        s_row, s_end, s_whole = (1.0, 1.0, 1.0) if sign is None else \
-            _chunk_signs(shape, chunks, sign)
+        s_row, s_end, _ = (1.0, 1.0, 1.0) if sign is None else _chunk_signs(shape, chunks, sign)
         W, dW, d_log_d = self.weights(shape, cc @ _tr(ac), log_d, sign, d_scores=dyc @ _tr(bc))
         b_G = bc @ _tr(leaving)  # (I, nc, C, K)
         dy_S = dyc @ _tr(starts)  # (I, nc, C, K)
@@ -300,12 +343,9 @@ class MatrixKernels:
         dc, da, db, row_c, row_a = self.gradients(
             shape, cc, ac, dy_S, dW @ ac, _tr(dW) @ cc, b_G, ac @ leaving, _tr(W) @ dyc,
             e_row * s_row, e_end * s_end)
-        # the exponentials' cotangents, taken back onto log d by MLX through their sums
-        cotangents = [s_row * row_c, s_end * row_a,
-                      s_whole * mx.sum(leaving * starts, axis=(-2, -1))[..., None, None]]
-        _, (d_lam,) = mx.vjp(lambda lam: _exponentials(lam, shape.inclusive), [lam], cotangents)
-        return (chunks.join(dc), chunks.join(da), chunks.join(db),
-                chunks.join(d_lam)[..., 0] + d_log_d)
+        d_lam = _through_exponentials(shape, chunks, log_d, sign, row_c, row_a,
+                                      mx.sum(leaving * starts, axis=(-2, -1))[..., None, None])
+        return chunks.join(dc), chunks.join(da), chunks.join(db), d_lam + d_log_d
 
 
 def core_in_ops(shape, c, a, b, log_d, sign, init):
@@ -352,6 +392,19 @@ def _exponentials(lam, inclusive):
     return mx.exp(row), mx.exp(end), mx.exp(mx.sum(lam, axis=-2, keepdims=True))
 
 
+def _through_exponentials(shape, chunks, log_d, sign, row_c, row_a, whole):
+    """The cotangent of ``log d`` ``(I, T)`` through ``exp(R)``, ``exp(Λ_C - Λ)`` and
+    ``exp(Λ_C)`` (``_exponentials``), MLX's VJP of their sums, from the sums that carry their
+    cotangents without the signs: the rows' ``(I, nc, C, 1)`` and each chunk's
+    ``Σ S ∘ G`` ``(I, nc, 1, 1)``."""
+    s_row, s_end, s_whole = (1.0, 1.0, 1.0) if sign is None else \
+        _chunk_signs(shape, chunks, sign)
+    cotangents = [s_row * row_c, s_end * row_a, s_whole * whole]
+    _, (d_lam,) = mx.vjp(lambda lam: _exponentials(lam, shape.inclusive),
+                         [chunks.cut(log_d[..., None])], cotangents)
+    return chunks.join(d_lam)[..., 0]
+
+
 def _chunk_signs(shape, chunks, sign):
     """The signs of ``exp(R)``, ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` by chunk, from the decay's
     ``±1`` per step: the sign of ``d(j+1..t)`` is ``par_t par_j`` (running products)."""
@@ -379,7 +432,8 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
-             **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end")}}
+             **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
+                               "starts", "leaving")}}
     infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, ranks.get(n, 3)) for n in ins]
     build = cuda_source if backend == "cuda" else metal_source
     return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
@@ -434,5 +488,5 @@ def matrix_kernels(backend: str) -> MatrixKernels:
     return _BY_BACKEND[backend]
 
 
-__all__ = ["DEFAULT_ON", "KERNELS", "MAX_CHUNK", "MatrixKernels", "STRIDED", "enabled", "kernel_chunk",
+__all__ = ["DEFAULT_ON", "GRADIENTS_BY_MATMULS", "KERNELS", "MAX_CHUNK", "MatrixKernels", "STRIDED", "enabled", "kernel_chunk",
            "kernel_flags", "matrix_kernels", "matrix_source", "spec_matrix_source"]

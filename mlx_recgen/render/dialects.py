@@ -50,6 +50,10 @@ class Dialect:
     # floats added to the rows of the products' operands in group memory, against bank
     # conflicts: (an operand read along its rows, one read down its columns)
     matrix_pads: tuple = (0, 0)
+    # header lines that bound a kernel's registers to what ``{threads}`` threads a group and
+    # ``{groups}`` groups a core leave (the kernel's signature is the host's, MLX's); "" where
+    # the target has no such bound
+    launch_bounds: str = ""
 
 
 _COMMON_MATH = {
@@ -152,6 +156,11 @@ CUDA = Dialect(
     # a warp's fragment loads touch 8 rows x 4 columns (or 4 x 8): rows 4 (8) floats apart
     # fall in 32 distinct banks
     matrix_pads=(4, 8),
+    # MLX writes the kernel's signature, so its launch bounds come through the qualifier it
+    # writes first; only this kernel follows the header
+    launch_bounds="""\
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__({threads}, {groups})""",
     matrix_prelude="""\
 // fp32 -> TF32 (round to nearest, ties away), the operand format of the fp32 tensor-core MMA
 __device__ inline unsigned recgen_tf32(float x) {

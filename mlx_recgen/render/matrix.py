@@ -25,6 +25,10 @@ weights  one threadgroup per (instance, chunk): from the chunk's scores ``CA = c
 gradients  one simdgroup per step: the chunk gradients ``dc``, ``da``, ``db`` from the chunks'
          products (MLX's matmuls) and the exponentials, and the row sums that carry the
          exponentials' cotangents, in one pass.
+chunk_gradients  one threadgroup per (instance, chunk): all of the above for the backward in
+         one kernel, the scores, their weights and every product in group memory
+         (``gradient_tiles``; where that memory is not given, the three kernels above and MLX's
+         matmuls between them).
 
 ``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
 ``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
@@ -52,6 +56,10 @@ OUTPUT_THREADS = 256
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
 UNROLL = 8
+# The backward's copies unrolled by 4, and its groups bounded to the registers that leave two a
+# core (two is what its group memory allows at chunks of 64 on CUDA): its copies fully unrolled
+# to 8 and unbounded, it took 255 registers a thread and spilled (one group a core)
+GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
@@ -68,12 +76,16 @@ STATE_TILES = ((64, 64), (64, 32), (32, 32))
 # exp(Λ_C)); and the sums of whole groups of 8 steps between any two groups ("spans", for the
 # kernels that sum a range per weight)
 _CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
-               "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",)}
+               "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",),
+               "chunk_gradients": ("row", "tail", "spans")}
+# The backward's tiles of K and V (``gradient_tiles``), largest first: its group memory holds
+# two [C, C] arrays beside four tiles of the chunk's rows and two of its states
+GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (16, 16))
 
 
 def group_threads(kind: str) -> int:
     """Threads of a group of ``kind``'s kernel."""
-    return OUTPUT_THREADS if kind == "outputs" else THREADS
+    return OUTPUT_THREADS if kind in ("outputs", "chunk_gradients") else THREADS
 
 
 def _padded(n: int) -> int:
@@ -131,6 +143,15 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False)
         own = [("tiles", "TILES", max(2 * C * (KT + rows), C * (VT + cols))),
                ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", KT * (VT + cols)),
                ("Yt", "C * VT", C * VT)]
+    elif kind == "chunk_gradients":
+        # the scores and their weights; two tiles of the chunk's rows (c and a, or dy and b),
+        # two of its states (S and G) and two products
+        wide, warps = max(KT, VT), group_threads(kind) // 32
+        own = [("W", "C * LDW", C * (C + rows)), ("dW", "C * LDW", C * (C + rows)),
+               ("Xs", "C * LDT", C * (wide + rows)), ("Ys", "C * LDT", C * (wide + rows)),
+               ("Ss", "KT * LDS", KT * (VT + rows)), ("Gs", "KT * LDS", KT * (VT + rows)),
+               ("Pa", "C * LDP", C * (wide + rows)), ("Pb", "C * LDP", C * (wide + rows)),
+               ("sums", "WARPS * C", warps * C), ("warp_sums", "WARPS", warps)]
     elif kind == "weights_adjoint":
         own = [("sums", "WARPS * C", (THREADS // 32) * C)]
     elif kind == "weights":
@@ -173,6 +194,17 @@ def state_tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
     return STATE_TILES[-1]
 
 
+def gradient_tiles(C: int, K: int, V: int, dialect, signed=False):
+    """The backward kernel's ``(K tile, V tile)``: the first of ``GRADIENT_TILES`` no larger than
+    the state (rounded up to 16) whose group memory ``dialect`` gives, or None where none fits
+    (the backward then runs as three kernels around MLX's matmuls)."""
+    for KT, VT in GRADIENT_TILES:
+        if KT <= _padded(K) and VT <= _padded(V) and \
+                group_memory("chunk_gradients", C, KT, VT, dialect, signed) is not None:
+            return KT, VT
+    return None
+
+
 @dataclass(frozen=True)
 class MatrixKernelShape:
     """What a matrix kernel's text depends on: chunk ``C`` (a multiple of 16), state sizes
@@ -190,6 +222,7 @@ class MatrixKernelShape:
     signed: bool = False  # the decay's sign is not known: a ±1 per step, ``sign``
     diagonal: bool = False  # readouts take their own step's added term: M[t, t] = 1
     state_tiles: tuple = STATE_TILES[-1]  # the states kernel's (K tile, V tile)
+    gradient_tiles: tuple = None  # the backward kernel's, None where its memory is not given
 
 
 class MatrixRenderer:
@@ -201,6 +234,8 @@ class MatrixRenderer:
     def _tiles(self, kind: str) -> tuple:
         """The ``(K tile, V tile)`` of ``kind``'s kernel: the states kernels' own."""
         s = self.shape
+        if kind == "chunk_gradients":
+            return s.gradient_tiles
         return s.state_tiles if kind in ("states", "adjoint", "chain", "adjoint_chain") \
             else (s.KT, s.VT)
 
@@ -208,7 +243,9 @@ class MatrixRenderer:
         s, (rows, cols) = self.shape, self.d.matrix_pads
         KT, VT = self._tiles(kind)
         memory = self.memory(kind)
-        return dict(d=self.d, kind=kind, products=kind in ("states", "adjoint", "outputs"), C=s.C,
+        warps = group_threads(kind) // 32
+        return dict(d=self.d, kind=kind, C=s.C,
+                    products=kind in ("states", "adjoint", "outputs", "chunk_gradients"),
                     sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
                     NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
@@ -216,16 +253,28 @@ class MatrixRenderer:
                     causal="j <= t" if s.diagonal else "j < t",
                     masked="j > t" if s.diagonal else "j >= t",
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
-                    LDC=KT + rows, LDW=s.C + rows, LDS=VT + cols, LDB=VT + cols,
+                    LDC=KT + rows, LDW=s.C + rows, LDB=VT + cols,
+                    # the outputs kernel's S_start (read by columns); the backward's S and G
+                    LDS=VT + (rows if kind == "chunk_gradients" else cols),
                     # the outputs kernel's c and a tiles (later b's): their floats
                     tiles={name: n for name, _, n in memory.arrays}.get("tiles"),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
-                    memory=memory, UNROLL=UNROLL, ROWS=WEIGHT_ROWS)
+                    memory=memory, ROWS=min(WEIGHT_ROWS, s.C // warps),
+                    UNROLL=GRADIENT_UNROLL if kind == "chunk_gradients" else UNROLL,
+                    bounds=self.d.launch_bounds.format(threads=group_threads(kind),
+                                                       groups=GRADIENT_GROUPS)
+                    if kind == "chunk_gradients" else "",
+                    # the backward's tiles of rows and products (every array a matrix operand
+                    # read row-wise: the rows pad)
+                    LDT=max(KT, VT) + rows, LDP=max(KT, VT) + rows)
 
     def memory(self, kind: str) -> GroupMemory:
         """The group memory of ``kind``'s kernel (a shape is only made where it fits)."""
         s = self.shape
+        if self._tiles(kind) is None:
+            raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, K={s.K}, "
+                             f"V={s.V} exceeds what {self.d.name} gives a kernel")
         KT, VT = self._tiles(kind)
         memory = group_memory(kind, s.C, KT, VT, self.d, s.signed)
         if memory is None:
@@ -263,6 +312,11 @@ class MatrixRenderer:
         return environment().get_template("matrix_gradients.j2").render(
             **self._context("gradients"))
 
+    def chunk_gradients(self) -> str:
+        return environment().get_template("matrix_chunk_gradients.j2").render(
+            **self._context("chunk_gradients"))
 
-__all__ = ["GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS", "STATE_TILES",
-           "THREADS", "group_arrays", "group_memory", "group_threads", "state_tiles", "tiles"]
+
+__all__ = ["GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
+           "STATE_TILES", "THREADS", "gradient_tiles", "group_arrays", "group_memory",
+           "group_threads", "state_tiles", "tiles"]
