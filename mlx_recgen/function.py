@@ -495,8 +495,7 @@ class Recurrence:
         if seg is not None:
             seg = positive_int(f"{self.name}()", "seg", seg)
         key = (tuple(x.dtype for x in call.inputs), tuple(call.sizes.items()), call.out_dtype,
-               backend, schedule, seg, tuple(call.options.items()),
-               str(mx.default_device()))  # a Device hashes by identity, its text by value
+               backend, schedule, seg, tuple(call.options.items()), device_key())
         try:
             plan = self._plans.get(key)
         except TypeError:  # an unhashable option: planning it raises the error that names it
@@ -566,8 +565,25 @@ def _call_key(args, initial_state, backend, seg, schedule):
         if type(x) is not mx.array:
             return None
         shapes.append((x.shape, x.dtype))
-    return (tuple(shapes), initial_state is not None, backend, seg, schedule,
-            str(mx.default_device()))  # a Device hashes by identity, its text by value
+    return (tuple(shapes), initial_state is not None, backend, seg, schedule, device_key())
+
+
+# the default device last seen and its text (``device_key``)
+_last_device = (mx.default_device(), str(mx.default_device()))
+
+
+def device_key() -> str:
+    """The default device as a key: its text (a Device hashes by identity, its text by value),
+    formatted again only when the device changes; comparing devices costs a fraction of
+    formatting one, and a decode step keys a call by its device once per layer and token."""
+    global _last_device
+    device = mx.default_device()
+    last, text = _last_device
+    if device == last:
+        return text
+    text = str(device)
+    _last_device = (device, text)
+    return text
 
 
 def _kept_zeros(states) -> tuple:
@@ -637,15 +653,22 @@ class CallPlan:
 
     @functools.cached_property
     def _path(self):
-        """What ``run`` calls: the decode path, the direct path, or the full path (compiled
-        where ``compiled``)."""
-        return (self.decode or self.direct
+        """What ``run`` calls: the decode path (the function its ``Decoder`` runs), the direct
+        path, or the full path (compiled where ``compiled``)."""
+        if self.decode is not None:
+            return self.decode.run
+        return (self.direct
                 or (mx.compile(self.function) if self.compiled else self.function))
+
+    @functools.cached_property
+    def _counts(self):
+        """(outputs, states) of the recurrence: how ``run`` splits the path's results."""
+        spec = self.recurrence.spec
+        return len(spec.outputs), len(spec.states)
 
     def run(self, inputs, states) -> tuple:
         """(outputs, final states) of the call on these checked arrays."""
-        spec = self.recurrence.spec
-        n_out, n_state = len(spec.outputs), len(spec.states)
+        n_out, n_state = self._counts
         results = self._path(*inputs, *states)
         return list(results[:n_out]), list(results[n_out:n_out + n_state])
 

@@ -165,6 +165,43 @@ def test_layout_changes_leave_out_the_ops_that_move_nothing():
     assert arranged(x, None, None) is x
 
 
+def test_grouped_inputs_expand_as_repeat_does():
+    """A grouped input enters the decode layout as ``mx.repeat`` along its group axis puts it
+    there, then arranged: the same values from the same ops (the same copy), with the
+    arrangement's reshape taken by the expansion's where no transpose follows; a group of one
+    member is not expanded (``mx.repeat`` by 1 returns its input)."""
+    import io
+    import re
+
+    from mlx_recgen.backends.mlx_decode import DecodeLayout, arranged, arrangement
+    from mlx_recgen.layout import expand_groups
+
+    def ops(x):
+        dot = io.StringIO()
+        mx.export_to_dot(dot, x)
+        return re.findall(r'label ="([A-Za-z]+)"', dot.getvalue())
+
+    spec = rg.load_spec("mamba2").spec  # B, C: [B, L, G, N], G grouping H
+    t = spec.inputs["B"]
+    for b, L, G, H in [(1, 1, 2, 4), (2, 1, 2, 4), (1, 3, 2, 6), (2, 3, 2, 4), (1, 1, 4, 4)]:
+        sizes = dict(B=b, L=L, G=G, H=H, P=8, N=16)
+        layout = DecodeLayout(spec, t, sizes, True)
+        contiguous = mx.random.normal((b, L, G, 16))
+        strided = mx.swapaxes(mx.random.normal((b, L, 16, G)), 2, 3)
+        mx.eval(contiguous, strided)
+        for x in (contiguous, strided):
+            expanded = expand_groups(spec, t, x, sizes)
+            perm, shape = arrangement(expanded.shape, layout.perm, layout.shape)
+            want = arranged(expanded, perm, shape)
+            (got,) = layout.parts(spec, x, sizes)
+            if G == H or perm is not None:
+                assert ops(got) == ops(want)
+            else:
+                assert ops(got) == ["ExpandDims", "Broadcast", "Reshape"] and ops(want) == [
+                    "ExpandDims", "Broadcast", "Reshape"] + (["Reshape"] if shape else [])
+            assert got.shape == want.shape and mx.array_equal(got, want)
+
+
 def test_longer_calls_take_the_full_path():
     rec = rg.load_spec("rglru")
     short = rec.plan(mx.ones((1, DECODE_MAX_STEPS, 4)), mx.ones((1, DECODE_MAX_STEPS, 4)),

@@ -770,33 +770,56 @@ def test_lora_command_trains_through_the_recurrences(tmp_path, monkeypatch, recu
     assert integration._active is None
 
 
-def test_routed_helpers_bind_arguments_as_python_does():
-    """The routing's binder gives what ``Signature.bind`` + ``apply_defaults`` gives, and raises
-    ``TypeError`` where it does (the original then raises its own error)."""
-    from mlx_recgen.integrations.mlx_lm import _binder
+def test_routed_helpers_bind_arguments_as_the_originals_do():
+    """A routed helper takes its arguments positionally or by name, defaults filled in, as the
+    original does (the same values, whatever the form of the call, a form seen before too);
+    a call the original refuses raises the original's ``TypeError``, never a routed one."""
+    args = gated_delta_inputs(T=1)
+    names = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
+    state = normal(2, 4, 8, 16, seed=62)
+    want = gated_delta.gated_delta_update(*(args[n] for n in names), state, use_kernel=False)
+    forms = [((*(args[n] for n in names), state), {}),
+             ((*(args[n] for n in names), state, None), {"use_kernel": True}),
+             ((), {**args, "state": state, "allow_neg_eigval": False}),
+             ((args["q"], args["k"]), {**{n: args[n] for n in names[2:]}, "state": state})]
+    with patch(backend="mlx") as routing:
+        for _ in range(2):  # the second time, each form is one seen before
+            for positional, named in forms:
+                got = gated_delta.gated_delta_update(*positional, **named)
+                for g, w in zip(got, want):
+                    assert mx.array_equal(g, w)
+        for positional, named in [((*(args[n] for n in names), state, None, True), {}),
+                                  ((args["q"],), {"k": args["k"]}),
+                                  ((args["q"],), {**args}),
+                                  ((), {**args, "options": {}})]:
+            for _ in range(2):
+                with pytest.raises(TypeError) as routed_error:
+                    gated_delta.gated_delta_update(*positional, **named)
+                with pytest.raises(TypeError) as original_error:
+                    gated_delta.gated_delta_update.__wrapped__(*positional, **named)
+                assert str(routed_error.value) == str(original_error.value)
+    assert routing.routed["gated_delta_update"] == 2 * len(forms) and not routing.fallbacks
 
-    def helper(q, k, v=None, state=None, *, use_kernel=True, lower_bound=None):
+
+def test_patch_refuses_a_helper_of_other_parameters(monkeypatch):
+    """The routed forms bind a call as the originals of mlx-lm 0.32.2 do: a helper of other
+    parameters (names, kinds or defaults) is refused at ``patch()``, named."""
+    def other(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, use_kernel=False,
+              lower_bound=None, allow_neg_eigval=False):
         pass
 
-    signature = inspect.signature(helper)
-    bind = _binder(signature)
-    for args, kwargs in [((1, 2), {}), ((1, 2, 3), {"lower_bound": 4}), ((1,), {"k": 2}),
-                         ((), {"q": 1, "k": 2, "use_kernel": False, "state": 5}),
-                         ((1, 2, 3, 4), {}), ((1, 2, 3, 4, 5), {}), ((1, 2), {"q": 1}),
-                         ((1,), {}), ((1, 2), {"other": 1})]:
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            with pytest.raises(TypeError):
-                bind(args, kwargs)
-            continue
-        bound.apply_defaults()
-        assert list(bind(args, kwargs).items()) == list(bound.arguments.items())
+    monkeypatch.setattr(gated_delta, "gated_delta_update", other)
+    with pytest.raises(RuntimeError, match=r"gated_delta_update takes \(.*use_kernel=False.*\); "
+                                           r"this integration reproduces the one that takes "
+                                           r"\(.*use_kernel=True"):
+        patch()
+    assert integration._active is None
 
 
 def test_gated_delta_checks_are_remembered_by_layout_only():
     """Arguments of the shapes, dtypes and options of a call that passed the checks skip them;
-    a mask of another dtype still falls back with its reason."""
+    a mask of another dtype, or a float64 state of the same shape, still falls back with its
+    reason."""
     from mlx_lm.models import gated_delta as gd
 
     mx.random.seed(3)
@@ -810,7 +833,11 @@ def test_gated_delta_checks_are_remembered_by_layout_only():
         for _ in range(2):
             y, S1 = gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask)
         gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask.astype(mx.int32))
+        with mx.stream(mx.cpu):  # float64 runs on the CPU only
+            gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S.astype(mx.float64), mask)
     y_ref, S_ref = gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S, mask)
     assert mx.allclose(y, y_ref, atol=1e-5) and mx.allclose(S1, S_ref, atol=1e-5)
     assert routing.routed["gated_delta_update"] == 2
-    assert set(routing.fallbacks) == {("gated_delta_update", "mask is not [B, T] bool")}
+    assert set(routing.fallbacks) == {
+        ("gated_delta_update", "mask is not [B, T] bool"),
+        ("gated_delta_update", "float64 state (a recurrence takes float32, float16 or bfloat16)")}

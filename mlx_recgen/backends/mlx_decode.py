@@ -9,7 +9,7 @@ import math
 
 import mlx.core as mx
 
-from ..layout import declared_shape, expand_groups, expanded
+from ..layout import declared_shape, expanded
 from .mlx_blocks import concat, fit
 
 
@@ -42,18 +42,42 @@ class DecodeLayout:
         self._to_parts, self._to_declared = {}, {}
 
     def parts(self, spec, x, sizes) -> list:
-        if self.groups:
-            x = expand_groups(spec, self.t, x, sizes)
         ops = self._to_parts.get(x.shape)
         if ops is None:
-            ops = self._to_parts[x.shape] = arrangement(
-                x.shape, self.perm, self.shape + ([self.components] if self.components > 1
-                                                  else []))
-        x = arranged(x, *ops)
+            ops = self._to_parts[x.shape] = self._to_parts_ops(spec, x.shape, sizes)
+        expand, perm, shape = ops
+        if expand is not None:
+            axes, wide, merged = expand
+            x = mx.broadcast_to(mx.expand_dims(x, axes), wide)
+            if merged is not None:
+                x = mx.reshape(x, merged)
+        x = arranged(x, perm, shape)
         if self.components == 1:
             return [x]
         # a slice, not x[..., c] (a gather, whose vjp has no jvp)
         return [mx.squeeze(x[..., c:c + 1], axis=-1) for c in range(self.components)]
+
+    def _to_parts_ops(self, spec, shape, sizes) -> tuple:
+        """``(expand or None, perm or None, shape or None)``: the group expansion, then the
+        ``arrangement``, of an array of ``shape``. The expansion repeats each group's slice as
+        ``mx.repeat`` does (expand, broadcast, reshape: the reshape copies), along the group
+        axes of more than one member; where no transpose follows, its reshape is the
+        arrangement's, one op less (the same copy, in the decode layout's shape)."""
+        full = self.shape + ([self.components] if self.components > 1 else [])
+        repeats = [(i, sizes[spec.groups[a]] // sizes[a]) for i, a in enumerate(self.t.axes)
+                   if self.groups and a in spec.groups]
+        repeats = [(i, r) for i, r in repeats if r > 1]  # mx.repeat by 1 returns x itself
+        merged = tuple(n * dict(repeats).get(i, 1) for i, n in enumerate(shape))
+        perm, target = arrangement(merged, self.perm, full)
+        if not repeats:
+            return None, perm, target
+        axes = [i + 1 + k for k, (i, _) in enumerate(repeats)]
+        wide = list(shape)
+        for k, (i, r) in enumerate(repeats):
+            wide.insert(i + 1 + k, r)
+        if perm is None:
+            return (axes, tuple(wide), None), None, target or merged
+        return (axes, tuple(wide), merged), perm, target
 
     def declared(self, parts: list) -> mx.array:
         x = mx.stack(parts, axis=-1) if self.components > 1 else parts[0]
@@ -129,10 +153,12 @@ class Decoder:
         self.n_in, self.n_out_parts = len(spec.inputs), len(outputs_parts)
         state_elements = sum(math.prod(declared_shape(t, sizes)) for t in spec.states.values())
         self.compiled = state_elements <= COMPILE_MAX_STATE
-        self._run = mx.compile(self._steps) if self.compiled else self._steps
+        # what a call runs (``CallPlan.run`` calls it directly: a decode step is called once
+        # per layer and token, and a Python frame around it costs as much as an op)
+        self.run = mx.compile(self._steps) if self.compiled else self._steps
 
     def __call__(self, *arrays):
-        return self._run(*arrays)
+        return self.run(*arrays)
 
     def _steps(self, *arrays):
         spec, sizes = self.spec, self.sizes

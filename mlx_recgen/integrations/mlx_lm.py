@@ -81,6 +81,7 @@ import importlib
 import inspect
 import sys
 from collections import Counter
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,7 +89,7 @@ import mlx.nn as nn
 import mlx_recgen as rg
 from mlx_recgen import Sum, exp, where
 from mlx_recgen.function import (BACKENDS, FLOAT_DTYPES, PLAN_CACHE_SIZE, default_backend,
-                                 require_backend)
+                                 device_key, require_backend)
 from mlx_recgen.memo import LRU
 from mlx_recgen.schedule import SCHEDULES
 
@@ -248,15 +249,16 @@ def _require(condition, reason: str):
         raise _Unsupported(reason)
 
 
-# MLX's floating dtypes a recurrence does not take (float64), found once: a decode step checks
-# each argument of each routed call against them
+# MLX's floating dtypes a recurrence does not take (float64), found once: a routed call checks
+# each argument against them (gated_delta_update once per layout of its arguments)
 _OTHER_FLOATS = frozenset(d for d in vars(mx).values() if isinstance(d, mx.Dtype)
                           and mx.issubdtype(d, mx.floating) and d not in FLOAT_DTYPES)
 
 
 def _require_recurrence_dtypes(arguments: dict):
     """A recurrence takes float32, float16 and bfloat16 arrays; mlx-lm's MLX ops take float64
-    too (on the CPU): such calls are the original's."""
+    too (on the CPU): such calls are the original's. The first check of each routed form, on
+    its arguments by name."""
     if not any(type(x) is mx.array and x.dtype in _OTHER_FLOATS for x in arguments.values()):
         return  # the common case, once per layer and token: no message to build
     other = {}
@@ -293,8 +295,11 @@ def _like_ssm_attn(options) -> dict:
     return options
 
 
-def _ssm_update(options, hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit,
-                mask, lengths):
+def _ssm_update(options, /, hidden_states, A_log, B, C, D, dt, dt_bias, state=None,
+                time_step_limit=(0.001, 100.0), mask=None, lengths=None):
+    _require_recurrence_dtypes(dict(
+        hidden_states=hidden_states, A_log=A_log, B=B, C=C, D=D, dt=dt, dt_bias=dt_bias,
+        state=state, time_step_limit=time_step_limit, mask=mask, lengths=lengths))
     options = _like_ssm_attn(options)
     x = hidden_states
     _require(all(_is_array(t, ndim=4) for t in (x, B, C)), "x, B, C are not [b, L, ., .] floats")
@@ -394,25 +399,34 @@ def _ssd_blockwise(options, x, dt, A, B, C, state, mask):
     return mx.concatenate(ys, axis=1), h
 
 
-def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel,
-                        lower_bound, allow_neg_eigval):
-    # arguments like ones that passed the checks below (the same shapes, dtypes and options)
-    # run the plan they made: a decode step calls this once per layer and token
-    try:
-        key = (*(_layout(t) for t in (q, k, v, a, b, A_log, dt_bias, state, mask)),
-               lower_bound, bool(allow_neg_eigval), options["backend"], options["schedule"],
-               str(mx.default_device()))  # a Device hashes by identity, its text by value
-        plan = _GATED_DELTA_PLANS.get(key)
-    except TypeError:  # an unhashable argument: the checks below see to it
-        key, plan = None, None
-    if plan is None:
+def _gated_delta_update(options, /, q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
+                        use_kernel=True, lower_bound=None, allow_neg_eigval=False):
+    # a call like one that passed the checks below (arguments of the same shapes and dtypes, the
+    # same option values, patch options and device) runs what that call decided: a decode step
+    # calls this once per layer and token, so the key is built inline
+    if (type(q) is _ARRAY and type(k) is _ARRAY and type(v) is _ARRAY and type(a) is _ARRAY
+            and type(b) is _ARRAY and type(A_log) is _ARRAY and type(dt_bias) is _ARRAY):
+        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, a.shape, a.dtype, b.shape,
+               b.dtype, A_log.shape, A_log.dtype, dt_bias.shape, dt_bias.dtype,
+               (state.shape, state.dtype) if type(state) is _ARRAY else type(state),
+               (mask.shape, mask.dtype) if type(mask) is _ARRAY else type(mask),
+               use_kernel, lower_bound, allow_neg_eigval, options["backend"],
+               options["schedule"], device_key())
+        try:
+            known = _GATED_DELTA_PLANS.get(key)
+        except TypeError:  # an unhashable option: the checks below see to it
+            key, known = None, None
+    else:  # the checks below say which argument is not an array
+        key, known = None, None
+    if known is None:
+        _require_recurrence_dtypes(dict(
+            q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, mask=mask,
+            use_kernel=use_kernel, lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval))
         _require(all(_is_array(t, ndim=4) for t in (q, k, v)) and q.shape == k.shape
                  and v.shape[:2] == k.shape[:2], "q, k, v are not [B, T, ., .] floats")
         _require(v.shape[2] % k.shape[2] == 0, "value heads are not a multiple of the key heads")
         _require(all(_is_array(t) for t in (a, b, A_log, dt_bias)),
                  "a, b, A_log, dt_bias are not float arrays")
-    batch, T, Hk, Dk = k.shape
-    Hv, Dv = v.shape[2:]
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
         beta = beta * 2.0
@@ -420,9 +434,10 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
         g = _decay(A_log, a, dt_bias)
     else:
         g = _bounded_decay(A_log, a, dt_bias, lower_bound)
-    args = [q, k, v, g, beta] + ([] if mask is None else [mask])
-    states = [mx.zeros((batch, Hv, Dv, Dk), mx.float32) if state is None else state]
-    if plan is None:
+    args = [q, k, v, g, beta] if mask is None else [q, k, v, g, beta, mask]
+    if known is None:
+        batch, T, Hk, Dk = k.shape
+        Hv, Dv = v.shape[2:]
         _require(beta.shape == (batch, T, Hv), "b is not [B, T, Hv]")
         _require(g.shape in ((batch, T, Hv), (batch, T, Hv, Dk)),
                  "the gate is not [B, T, Hv(, Dk)]")
@@ -431,15 +446,20 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
         _require(mask is None or (_is_array(mask, mx.bool_) and mask.shape == (batch, T)),
                  "mask is not [B, T] bool")
         rec = gated_delta(vector_gate=g.ndim == 4, masked=mask is not None)
+        states = [mx.zeros((batch, Hv, Dv, Dk), mx.float32) if state is None else state]
         call = rec.check(*args, initial_state=states[0])
         plan = rec.plan_for(call, backend=options["backend"], schedule=_schedule(rec, options))
         args, states = call.inputs, call.states
+        known = _GatedDeltaPlan(plan, (batch, Hv, Dv, Dk), bool(use_kernel) and Dk % 32 == 0)
         if key is not None:
-            _GATED_DELTA_PLANS[key] = plan
+            _GATED_DELTA_PLANS[key] = known
+    else:
+        states = [mx.zeros(known.state_shape, mx.float32) if state is None else state]
     if options["backend"] == "metal-sim":
         _evaluate_for_simulator([*args, *states])
-    (y,), (S,) = plan.run(args, states)
-    kernel = bool(use_kernel) and _on_metal() and Dk % 32 == 0
+    (y,), (S,) = known.plan.run(args, states)
+    # mlx-lm's Metal kernel where it would run (use_kernel, Dk a multiple of 32, on Metal)
+    kernel = known.may_kernel and _on_metal()
     if kernel and mask is not None:  # mlx-lm's kernel writes zeros at masked steps
         y = mx.where(mask[..., None, None], y, 0)
     # the kernel keeps the state's dtype; the MLX ops promote it with the fp32 decay
@@ -447,17 +467,23 @@ def _gated_delta_update(options, q, k, v, a, b, A_log, dt_bias, state, mask, use
     return y.astype(q.dtype), S.astype(state_dtype)
 
 
-# the plans of argument layouts that passed the checks (shapes, dtypes, options and device)
+class _GatedDeltaPlan(NamedTuple):
+    """What a call of ``gated_delta_update`` decided for the calls like it: the plan, the shape
+    of the zero state, and whether mlx-lm's Metal kernel could run (``use_kernel`` and ``Dk``;
+    the device is read each call)."""
+
+    plan: object
+    state_shape: tuple
+    may_kernel: bool
+
+
+# what the calls whose arguments passed the checks decided, by the key of their arguments
 _GATED_DELTA_PLANS = LRU(PLAN_CACHE_SIZE)
+_ARRAY = mx.array  # a global's lookup, not mx's attribute's, in the key
 
 
-def _layout(x):
-    """What the routed helpers' checks read of an argument: an array's shape and dtype, else
-    its type."""
-    return (x.shape, x.dtype) if isinstance(x, mx.array) else type(x)
-
-
-def _rnn_scan(options, x, a, h0):
+def _rnn_scan(options, /, x, a, h0):
+    _require_recurrence_dtypes(dict(x=x, a=a, h0=h0))
     # the original asserts a.shape == x.shape[-a.ndim:], but its loop indexes a[:, t]: only a
     # gate of x's shape means the same in both of its modes
     _require(_is_array(x, ndim=3) and isinstance(a, mx.array) and a.shape == x.shape
@@ -471,15 +497,13 @@ def _rnn_scan(options, x, a, h0):
     return y.astype(x.dtype if L > 1 else carried), h.astype(carried)
 
 
-# (defining module, helper, its parameters as the routed form reproduces them, the routed form)
+# (defining module, helper, the routed form): each routed form takes the patch's options, then
+# the helper's parameters as mlx-lm 0.32.2 declares them (names, kinds and defaults: a call binds
+# to it as to the original, which ``patch()`` checks)
 HELPERS = (
-    ("mlx_lm.models.ssm", "ssm_update",
-     ("hidden_states", "A_log", "B", "C", "D", "dt", "dt_bias", "state", "time_step_limit",
-      "mask", "lengths"), _ssm_update),
-    ("mlx_lm.models.gated_delta", "gated_delta_update",
-     ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask", "use_kernel", "lower_bound",
-      "allow_neg_eigval"), _gated_delta_update),
-    ("mlx_lm.models.recurrent_gemma", "rnn_scan", ("x", "a", "h0"), _rnn_scan),
+    ("mlx_lm.models.ssm", "ssm_update", _ssm_update),
+    ("mlx_lm.models.gated_delta", "gated_delta_update", _gated_delta_update),
+    ("mlx_lm.models.recurrent_gemma", "rnn_scan", _rnn_scan),
 )
 
 
@@ -495,10 +519,16 @@ class Patch:
 
     def __init__(self, backend: str, schedule: str):
         self.options = {"backend": backend, "schedule": schedule}
-        self.routed = Counter()
+        # the counts behind ``routed``: a plain dict, which a decode step's call adds to faster
+        self._routed = {name: 0 for _, name, _ in HELPERS}
         self.fallbacks = Counter()
         self._routes = {}  # id(original) -> (original, routed)
         self.active = False
+
+    @property
+    def routed(self) -> Counter:
+        """The calls run as recurrences so far, per helper (a snapshot)."""
+        return Counter({name: n for name, n in self._routed.items() if n})
 
     def __repr__(self):
         state = "active" if self.active else "undone"
@@ -507,19 +537,27 @@ class Patch:
                 f"fell back {sum(self.fallbacks.values())}>")
 
     def _route(self, name, original, implementation):
-        bind = _binder(inspect.signature(original))
+        signature = inspect.signature(original)
+        # the forms of call (how many positional arguments, which keywords in which order) that
+        # bind to the original, and so to the routed form, whose parameters are the same: a call
+        # of a form seen is bound by Python itself (a decode step calls each helper once per
+        # layer and token, and Signature.bind costs several times the rest of the routing)
+        binding = LRU(PLAN_CACHE_SIZE)
+        counts = self._routed
 
         @functools.wraps(original)
         def routed(*args, **kwargs):
             if not self.active:  # a reference kept past undo(): mlx-lm's own again
                 return original(*args, **kwargs)
+            form = (len(args), *kwargs)
+            if form not in binding:
+                try:
+                    signature.bind(*args, **kwargs)
+                except TypeError:
+                    return original(*args, **kwargs)  # raises as the original does
+                binding[form] = True
             try:
-                arguments = bind(args, kwargs)
-            except TypeError:
-                return original(*args, **kwargs)  # raises as the original does
-            try:
-                _require_recurrence_dtypes(arguments)
-                result = implementation(self.options, **arguments)
+                result = implementation(self.options, *args, **kwargs)
             except _Unsupported as exc:
                 self.fallbacks[(name, str(exc))] += 1
                 return original(*args, **kwargs)
@@ -531,22 +569,24 @@ class Patch:
                     "builds a lazy graph; the operation that computes them fails when evaluated "
                     "on this device and dtype (mlx-lm's own result would fail so when "
                     "evaluated). backend='mlx' stays lazy.") from exc.__cause__
-            self.routed[name] += 1
+            counts[name] += 1
             return result
 
         routed.__mlx_recgen_patch__ = self
         return routed
 
     def _install(self):
-        for module_name, name, parameters, implementation in HELPERS:
+        for module_name, name, implementation in HELPERS:
             original = getattr(importlib.import_module(module_name), name)
             if hasattr(original, "__mlx_recgen_patch__"):
                 raise RuntimeError(f"{module_name}.{name} is already routed by another patch; "
                                    "undo that one first")
-            found = tuple(inspect.signature(original).parameters)
-            if found != parameters:
-                raise RuntimeError(f"{module_name}.{name} takes {found}; this integration "
-                                   f"reproduces the one that takes {parameters}")
+            found = _parameters(inspect.signature(original))
+            reproduced = _parameters(inspect.signature(implementation))[1:]  # after the options
+            if found != reproduced:
+                raise RuntimeError(f"{module_name}.{name} takes {_parameters_text(found)}; this "
+                                   "integration reproduces the one that takes "
+                                   f"{_parameters_text(reproduced)}")
             self._routes[id(original)] = (original, self._route(name, original, implementation))
         _rebind({key: routed for key, (_, routed) in self._routes.items()})
         self.active = True
@@ -571,37 +611,15 @@ class Patch:
         return False
 
 
-def _binder(signature: inspect.Signature):
-    """``bind(args, kwargs)``: the arguments of a call by parameter name, defaults filled in,
-    as ``signature.bind(...).apply_defaults()`` gives them (``TypeError`` where it raises), for a
-    signature without ``*args`` or ``**kwargs``; a decode step calls each helper once per layer
-    and token, and ``Signature.bind`` costs several times the rest of the routing."""
-    parameters = signature.parameters.values()
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
-        raise ValueError(f"no fast binding of {signature}")
-    positional = tuple(p.name for p in parameters
-                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    by_keyword = frozenset(p.name for p in parameters if p.kind != p.POSITIONAL_ONLY)
-    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
-    names = tuple(p.name for p in parameters)
+def _parameters(signature: inspect.Signature) -> list:
+    """What a call binds by: each parameter's name, kind and default (annotations aside)."""
+    return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
 
-    def bind(args, kwargs):
-        if len(args) > len(positional):
-            raise TypeError("too many positional arguments")
-        arguments = dict(zip(positional, args))
-        for key, value in kwargs.items():
-            if key not in by_keyword or key in arguments:
-                raise TypeError(f"unexpected or repeated argument {key!r}")
-            arguments[key] = value
-        if len(arguments) < len(names):
-            for key in names:
-                if key not in arguments:
-                    if key not in defaults:
-                        raise TypeError(f"missing argument {key!r}")
-                    arguments[key] = defaults[key]
-        return {key: arguments[key] for key in names}
 
-    return bind
+def _parameters_text(parameters: list) -> str:
+    """The parameters as a signature writes them."""
+    return str(inspect.Signature([inspect.Parameter(name, kind, default=default)
+                                  for name, kind, default in parameters]))
 
 
 def _rebind(replacements: dict):
