@@ -300,9 +300,9 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
 
 
 def test_the_kernels_read_factors_where_they_lie():
-    """The states and outputs kernels take ``c``, ``a``, ``b`` as ``(*batch, T, X)`` views at any
-    strides (``matrix_kernels.STRIDED``): transposed from the spec's layout, sliced, broadcast
-    over a batch axis. They give the numbers of contiguous copies bit for bit, and the chunk form
+    """The states, outputs and chunk-gradients kernels take ``c``, ``a``, ``b`` as
+    ``(*batch, T, X)`` views at any strides (``matrix_kernels.STRIDED``): transposed from the
+    spec's layout, sliced, broadcast over a batch axis, every other column. They give the numbers of contiguous copies bit for bit, and the chunk form
     in MLX ops within rounding; gradients come back in the views' shapes."""
     kernels = mk.matrix_kernels("metal-sim")
     B, H, T, K, V = 2, 3, 40, 16, 8
@@ -311,7 +311,8 @@ def test_the_kernels_read_factors_where_they_lie():
     mx.random.seed(3)
     c = mx.transpose(mx.random.normal((B, T + 1, H, K)), (0, 2, 1, 3))[:, :, 1:]
     a = mx.broadcast_to(mx.random.normal((B, 1, T, K)), (B, H, T, K))
-    b = mx.transpose(mx.random.normal((B, T, H, V)), (0, 2, 1, 3))
+    # every other column: the backward's copies of b one float at a time (c's, four)
+    b = mx.transpose(mx.random.normal((B, T, H, 2 * V)), (0, 2, 1, 3))[..., ::2]
     log_d = mx.random.uniform(-0.5, 0.0, (B * H, T))
     S0 = mx.random.normal((B * H, K, V))
     views = core(c, a, b, log_d, log_d, S0)

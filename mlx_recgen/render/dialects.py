@@ -40,7 +40,9 @@ class Dialect:
     shared_bytes: int = 32768
     matrix_prelude: str = ""
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
-    # not ok), complete in this thread after recgen_group_copies_done(); then a barrier
+    # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
+    # recgen_copy4_to_group the same for four consecutive floats, where recgen_aligned4 holds
+    # for both addresses
     group_copy_prelude: str = ""
     # group memory sized at launch, where the target has it beyond ``shared_bytes`` of
     # declared arrays: the declaration of that buffer (``{}``: its name) and the most a kernel
@@ -111,6 +113,16 @@ inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A,
 template <typename Source>  // a device or a constant pointer, as MLX passes the input
 inline void recgen_copy_to_group(threadgroup float* dst, Source src, bool ok) {
   *dst = ok ? *src : 0.0f;
+}
+template <typename Source>
+inline void recgen_copy4_to_group(threadgroup float* dst, Source src, bool ok) {
+  for (int i = 0; i < 4; ++i) {
+    dst[i] = ok ? src[i] : 0.0f;
+  }
+}
+template <typename Pointer>  // the four floats of a copy are read one by one: any address
+inline bool recgen_aligned4(Pointer) {
+  return true;
 }
 inline void recgen_group_copies_done() {}
 """,
@@ -232,6 +244,15 @@ __device__ inline void recgen_copy_to_group(float* dst, const float* src, bool o
   // src-size 0 reads nothing and fills the destination with zeros
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\\n" ::"r"(to), "l"(src),
                "r"(ok ? 4 : 0));
+}
+// four floats in one copy of 16 bytes, both addresses 16-byte aligned (recgen_aligned4)
+__device__ inline void recgen_copy4_to_group(float* dst, const float* src, bool ok) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(to), "l"(src),
+               "r"(ok ? 16 : 0));
+}
+__device__ inline bool recgen_aligned4(const float* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 __device__ inline void recgen_group_copies_done() {
   asm volatile("cp.async.wait_all;\\n" ::);

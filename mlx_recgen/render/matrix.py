@@ -88,6 +88,12 @@ def group_threads(kind: str) -> int:
     return OUTPUT_THREADS if kind in ("outputs", "chunk_gradients") else THREADS
 
 
+def _weight_rows(rows: int) -> int:
+    """Rows of the causal weights a simdgroup loads at a time, of the ``rows`` it takes: the
+    most, up to ``WEIGHT_ROWS``, that divide them (a chunk of 48 in 8 simdgroups: 6 rows, 3)."""
+    return max(n for n in range(1, WEIGHT_ROWS + 1) if rows % n == 0)
+
+
 def _padded(n: int) -> int:
     return -(-n // 16) * 16
 
@@ -260,7 +266,7 @@ class MatrixRenderer:
                     tiles={name: n for name, _, n in memory.arrays}.get("tiles"),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
-                    memory=memory, ROWS=min(WEIGHT_ROWS, s.C // warps),
+                    memory=memory, ROWS=_weight_rows(s.C // warps),
                     UNROLL=GRADIENT_UNROLL if kind == "chunk_gradients" else UNROLL,
                     bounds=self.d.launch_bounds.format(threads=group_threads(kind),
                                                        groups=GRADIENT_GROUPS)
