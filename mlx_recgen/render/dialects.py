@@ -40,9 +40,7 @@ class Dialect:
     shared_bytes: int = 32768
     matrix_prelude: str = ""
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
-    # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
-    # recgen_copy4_to_group the same for four consecutive floats, where recgen_aligned4 holds
-    # for both addresses
+    # not ok), complete in this thread after recgen_group_copies_done(); then a barrier
     group_copy_prelude: str = ""
     # group memory sized at launch, where the target has it beyond ``shared_bytes`` of
     # declared arrays: the declaration of that buffer (``{}``: its name) and the most a kernel
@@ -114,16 +112,6 @@ template <typename Source>  // a device or a constant pointer, as MLX passes the
 inline void recgen_copy_to_group(threadgroup float* dst, Source src, bool ok) {
   *dst = ok ? *src : 0.0f;
 }
-template <typename Source>
-inline void recgen_copy4_to_group(threadgroup float* dst, Source src, bool ok) {
-  for (int i = 0; i < 4; ++i) {
-    dst[i] = ok ? src[i] : 0.0f;
-  }
-}
-template <typename Pointer>  // the four floats of a copy are read one by one: any address
-inline bool recgen_aligned4(Pointer) {
-  return true;
-}
 inline void recgen_group_copies_done() {}
 """,
     math={k: ("metal::" + v if not v.startswith("recgen_") else v) for k, v in _COMMON_MATH.items()},
@@ -193,8 +181,10 @@ __device__ inline float recgen_at(const float* x, int ld, bool tr, int r, int c)
 template <int M, int N, int K, bool TA, bool TB, bool ACC>
 __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, const float* B,
                                  int ldb, unsigned tid, unsigned threads) {
-  // a warp takes a strip of NB tiles side by side: A's fragment is loaded once for all of them
-  constexpr int NB = (N / 8) % 4 == 0 ? 4 : ((N / 8) % 2 == 0 ? 2 : 1);
+  // a warp takes a strip of NB tiles side by side: A's fragment is loaded once for all of them;
+  // four where that still makes a strip for each of 8 warps, else two (a [64, 32] product in
+  // strips of four left half of a group's 8 warps idle)
+  constexpr int NB = (N / 8) % 4 == 0 && (M / 16) * (N / 32) >= 8 ? 4 : ((N / 8) % 2 == 0 ? 2 : 1);
   constexpr int STRIPS = N / (8 * NB);
   const int lane = int(tid & 31u), g = lane >> 2, t = lane & 3;
   for (unsigned strip = tid >> 5; strip < unsigned((M / 16) * STRIPS); strip += threads >> 5) {
@@ -244,15 +234,6 @@ __device__ inline void recgen_copy_to_group(float* dst, const float* src, bool o
   // src-size 0 reads nothing and fills the destination with zeros
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\\n" ::"r"(to), "l"(src),
                "r"(ok ? 4 : 0));
-}
-// four floats in one copy of 16 bytes, both addresses 16-byte aligned (recgen_aligned4)
-__device__ inline void recgen_copy4_to_group(float* dst, const float* src, bool ok) {
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(to), "l"(src),
-               "r"(ok ? 16 : 0));
-}
-__device__ inline bool recgen_aligned4(const float* p) {
-  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 __device__ inline void recgen_group_copies_done() {
   asm volatile("cp.async.wait_all;\\n" ::);
