@@ -15,7 +15,9 @@
 * Kernel compiles (``--sim``): 20 distinct prompt lengths below 32 on the Metal simulator,
   and how many kernels compiled after the first.
 * mlx-lm decoding (``--mlx-lm``): tiny random Qwen3-Next and Mamba-2 models, tokens/s patched
-  and unpatched in alternating rounds, and the median of the rounds' ratios.
+  and unpatched in alternating rounds, and the median of the rounds' ratios (``--runs``
+  measurements of 15 rounds each: their median and range). Then one ``gated_delta_update``
+  call at the tiny Qwen3-Next's head counts, routed and mlx-lm's own, its state fed back.
 
 Each time is the median over repeats; the alternatives alternate in one process.
 """
@@ -270,12 +272,50 @@ def mlx_lm_decode(model_type, tokens, rounds=15):
             "ratio": statistics.median(ratios)}
 
 
+def mlx_lm_routed_call(repeats, K):
+    """One ``gated_delta_update`` call at the tiny Qwen3-Next's head counts (B1, 2 key and 4 value
+    heads, Dk = Dv = ``K``), its state fed back, with its inputs made as the model makes them
+    (q and k normalized from a split, a and b slices): mlx-lm's own and routed by
+    ``patch(backend="mlx")``, timed by ``_time_steps``; and the largest difference of their
+    outputs over the steps."""
+    from mlx_lm.models import gated_delta as gd
+
+    from mlx_recgen.integrations.mlx_lm import patch
+
+    Hk, Hv = 2, 4
+    conv = mx.random.normal((1, 1, 2 * Hk * K + Hv * K))
+    q, k, v = [t.reshape(1, 1, h, K) for t, h in zip(
+        mx.split(conv, [Hk * K, 2 * Hk * K], -1), (Hk, Hk, Hv))]
+    q, k = gd.normalize_qk(q, k, inv_scale=K ** -0.5, eps=1e-6)
+    ba = mx.random.normal((1, 1, 2 * Hv))
+    b, a = ba[..., :Hv], ba[..., Hv:]
+    A_log, dt_bias = mx.random.normal((Hv,)), mx.ones(Hv)
+    S0 = 0.1 * mx.random.normal((1, Hv, K, K))
+    mx.eval(q, k, v, a, b, A_log, dt_bias, S0)
+    with patch(backend="mlx"):
+        routed = gd.gated_delta_update
+        steps = {"mlx-lm's own": lambda S: routed.__wrapped__(q, k, v, a, b, A_log, dt_bias, S,
+                                                             None, use_kernel=True),
+                 "routed": lambda S: routed(q, k, v, a, b, A_log, dt_bias, S, None,
+                                            use_kernel=True)}
+        S_own = S_routed = S0
+        difference = 0.0
+        for _ in range(20):
+            (y_own, S_own), (y_routed, S_routed) = steps["mlx-lm's own"](S_own), \
+                steps["routed"](S_routed)
+            difference = max(difference, mx.max(mx.abs(y_own - y_routed)).item(),
+                             mx.max(mx.abs(S_own - S_routed)).item())
+        return _time_steps(steps, S0, repeats), difference
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--backends", default="mlx")
     p.add_argument("--sim", action="store_true", help="count Metal-simulator kernel compiles")
     p.add_argument("--mlx-lm", action="store_true", help="tokens/s of tiny Qwen3-Next and Mamba-2 models")
+    p.add_argument("--runs", type=int, default=1,
+                   help="--mlx-lm: measurements of 15 alternating rounds per model")
     p.add_argument("--out", help="write a Markdown report here")
     p.add_argument("--growth", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -334,14 +374,31 @@ def main():
                   "length.", ""]
         print("\n".join(lines[-4:]), flush=True)
     if args.mlx_lm:
+        runs = max(1, args.runs)
         lines += ["## mlx-lm decoding, tiny random models (8-token prompt, 64 tokens)", "",
+                  f"{runs} measurement(s) of 15 alternating rounds per model; tokens/s are the "
+                  "medians of the first.", "",
                   "| model | unpatched (tokens/s) | patched, backend mlx (tokens/s) | "
-                  "patched / unpatched time per token |", "|---|---:|---:|---:|"]
+                  "patched / unpatched time per token: median of the measurements | range |",
+                  "|---|---:|---:|---:|---|"]
         for model_type, title in MLX_LM_MODELS.items():
-            rates = mlx_lm_decode(model_type, 64)
-            lines.append(f"| {title} | {rates['unpatched']:.0f} | {rates['patched']:.0f} | "
-                         f"**{rates['ratio']:.2f}x** |")
+            measured = [mlx_lm_decode(model_type, 64) for _ in range(runs)]
+            ratios = sorted(m["ratio"] for m in measured)
+            lines.append(f"| {title} | {measured[0]['unpatched']:.0f} | "
+                         f"{measured[0]['patched']:.0f} | **{statistics.median(ratios):.3f}x** | "
+                         f"{ratios[0]:.3f}-{ratios[-1]:.3f}x |")
             print(lines[-1], flush=True)
+        lines += ["", "## One gated_delta_update call, B1, 2 key and 4 value heads (the tiny "
+                  "Qwen3-Next's), state fed back (backend mlx)", "",
+                  "| Dk = Dv | | Python (µs) | total (µs) | vs mlx-lm's own | "
+                  "max difference to mlx-lm's own |", "|---:|---|---:|---:|---:|---:|"]
+        for K in (8, 64):
+            best, difference = mlx_lm_routed_call(args.repeats, K)
+            base = best["mlx-lm's own"][1]
+            lines += [f"| {K} | {name} | {p:.1f} | {t:.1f} | {t / base:.2f}x | "
+                      f"{difference if name == 'routed' else 0:.1e} |"
+                      for name, (p, t) in best.items()]
+            print("\n".join(lines[-2:]), flush=True)
         lines.append("")
     if args.out:
         Path(args.out).write_text("\n".join(lines))
