@@ -280,7 +280,9 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
     kernels._factory = lambda **definition: made.append(definition)
     shape = kernels.shape(64, 64, 64, inclusive=False)
     assert (shape.KT, shape.VT) == (64, 64) and shape.state_tiles == (64, 64)
-    for kind, dynamic in (("outputs", True), ("states", True), ("weights_adjoint", False)):
+    assert shape.gradient_tiles == (32, 32)
+    for kind, dynamic in (("outputs", True), ("states", True), ("weights_adjoint", False),
+                          ("chunk_gradients", True)):
         memory = mk.MatrixRenderer(kernels.dialect, shape).memory(kind)
         assert memory.dynamic == dynamic
         assert (memory.bytes > kernels.dialect.shared_bytes) == dynamic
@@ -293,8 +295,15 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
                        for line in body.splitlines() if "= recgen_group + " in line]
             sizes = [n for *_, n in memory.arrays]
             assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+        # only the backward kernel bounds its registers to two groups a core
+        assert ("__launch_bounds__(256, 2)" in made[-1]["header"]) == (kind == "chunk_gradients")
     small = dataclasses.replace(mk.DIALECTS["cuda"], dynamic_shared_bytes=0)
     assert mk.tiles(64, 64, 64, small) == (16, 32)
+    # the backward's [C, C] arrays and six tiles: not in 48 KB at chunks of 64, nor in Metal's
+    # 32 KB (the matmuls' path runs there), which holds them at chunks of 32
+    assert mk.gradient_tiles(64, 64, 64, small) is None
+    assert mk.gradient_tiles(64, 64, 64, mk.DIALECTS["metal"]) is None
+    assert mk.gradient_tiles(32, 64, 64, mk.DIALECTS["metal"]) == (32, 16)
     none = dataclasses.replace(small, shared_bytes=1024)
     assert mk.tiles(64, 64, 64, none) is None
 
@@ -302,8 +311,9 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
 def test_the_kernels_read_factors_where_they_lie():
     """The states, outputs and chunk-gradients kernels take ``c``, ``a``, ``b`` as
     ``(*batch, T, X)`` views at any strides (``matrix_kernels.STRIDED``): transposed from the
-    spec's layout, sliced, broadcast over a batch axis, every other column. They give the numbers of contiguous copies bit for bit, and the chunk form
-    in MLX ops within rounding; gradients come back in the views' shapes."""
+    spec's layout, sliced, broadcast over a batch axis, every other column. They give the
+    numbers of contiguous copies bit for bit, and the chunk form in MLX ops within rounding;
+    gradients come back in the views' shapes, bit for bit those of the copies."""
     kernels = mk.matrix_kernels("metal-sim")
     B, H, T, K, V = 2, 3, 40, 16, 8
     shape = kernels.shape(16, K, V, inclusive=True, diagonal=True)

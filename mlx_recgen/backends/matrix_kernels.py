@@ -488,5 +488,6 @@ def matrix_kernels(backend: str) -> MatrixKernels:
     return _BY_BACKEND[backend]
 
 
-__all__ = ["DEFAULT_ON", "GRADIENTS_BY_MATMULS", "KERNELS", "MAX_CHUNK", "MatrixKernels", "STRIDED", "enabled", "kernel_chunk",
-           "kernel_flags", "matrix_kernels", "matrix_source", "spec_matrix_source"]
+__all__ = ["DEFAULT_ON", "GRADIENTS_BY_MATMULS", "KERNELS", "MAX_CHUNK", "MatrixKernels",
+           "STRIDED", "enabled", "kernel_chunk", "kernel_flags", "matrix_kernels", "matrix_source",
+           "spec_matrix_source"]
