@@ -57,8 +57,8 @@ OUTPUT_THREADS = 256
 # registers (255 a thread on CUDA, and spills)
 UNROLL = 8
 # The backward's copies unrolled by 4, and its groups bounded to the registers that leave two a
-# core (two is what its group memory allows at chunks of 64 on CUDA): its copies fully unrolled
-# to 8 and unbounded, it took 255 registers a thread and spilled (one group a core)
+# core (two is what its group memory allows at chunks of 64 on CUDA): its copies unrolled by 8
+# and unbounded, it took 255 registers a thread and spilled (one group a core)
 GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
@@ -79,7 +79,7 @@ _CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
                "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",),
                "chunk_gradients": ("row", "tail", "spans")}
 # The backward's tiles of K and V (``gradient_tiles``), largest first: its group memory holds
-# two [C, C] arrays beside four tiles of the chunk's rows and two of its states
+# two [C, C] arrays beside two tiles of the chunk's rows, two of its states and two products
 GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (16, 16))
 
 
@@ -247,8 +247,8 @@ class MatrixRenderer:
 
     def _context(self, kind: str) -> dict:
         s, (rows, cols) = self.shape, self.d.matrix_pads
-        KT, VT = self._tiles(kind)
         memory = self.memory(kind)
+        KT, VT = self._tiles(kind)
         warps = group_threads(kind) // 32
         return dict(d=self.d, kind=kind, C=s.C,
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients"),
