@@ -596,6 +596,25 @@ def test_float64_falls_back_to_mlx_lm():
                 assert g[1].dtype == w[1].dtype and mx.array_equal(g[1], w[1]), case
 
 
+
+def test_a_float64_state_after_a_routed_call_of_the_same_shapes_falls_back():
+    """A routed ``gated_delta_update`` skips its checks for a call like one that passed them: a
+    float64 state of the same shape as a float32 one routed before is not like it, and runs the
+    original."""
+    inputs = gated_delta_inputs(seed=80)
+    state = normal(2, 4, 8, 16, seed=81)
+    with mx.stream(mx.cpu):  # float64 runs on the CPU only
+        want = gated_delta.gated_delta_update(**inputs, state=state.astype(mx.float64))
+        mx.eval(want)
+        with patch(backend="mlx") as routing:
+            mx.eval(gated_delta.gated_delta_update(**inputs, state=state))
+            assert routing.routed["gated_delta_update"] == 1
+            got = gated_delta.gated_delta_update(**inputs, state=state.astype(mx.float64))
+            mx.eval(got)
+        assert routing.routed["gated_delta_update"] == 1 and len(routing.fallbacks) == 1
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and mx.array_equal(g, w)
+
 # -- the simulator ------------------------------------------------------------------------------
 
 
