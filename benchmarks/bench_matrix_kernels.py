@@ -1,7 +1,8 @@
 """The matrix schedule's kernel variants on CUDA, in one process: the readouts as MLX's matmuls
 around the weights kernel or in the outputs kernel (``matrix_kernels.OUTPUTS_BY_MATMULS``), the
 chunks' backward in one kernel or as MLX's matmuls between kernels
-(``matrix_kernels.GRADIENTS_BY_MATMULS``), and the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
+(``matrix_kernels.GRADIENTS_BY_MATMULS``), the states through the chunks in one walk or in the
+states and chain kernels (``matrix_kernels.WALKS``, ``WALK_GROUPS``), and the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
 (``Dialect.dynamic_shared_bytes``), beside FLA's chunk kernel on the same inputs. Variants named
 more than once run in turn (``--variants 3,1,3,1``): one process's first calls can run slower.
 
@@ -30,20 +31,26 @@ from mlx_recgen.memo import LRU
 from mlx_recgen.render.dialects import DIALECTS
 
 DYNAMIC = DIALECTS["cuda"].dynamic_shared_bytes
-VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, backward by matmuls)
-    "matmuls, declared tiles": (True, 0, True),
-    "matmuls, dynamic tiles": (True, DYNAMIC, True),
-    "outputs kernel, declared tiles": (False, 0, True),
-    "outputs kernel, dynamic tiles": (False, DYNAMIC, True),
-    "outputs kernel, backward kernel": (False, DYNAMIC, False),
+VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, backward by matmuls,
+    #                the walk's least groups, None: the states and chain kernels)
+    "matmuls, declared tiles": (True, 0, True, None),
+    "matmuls, dynamic tiles": (True, DYNAMIC, True, None),
+    "outputs kernel, declared tiles": (False, 0, True, None),
+    "outputs kernel, dynamic tiles": (False, DYNAMIC, True, None),
+    "outputs kernel, backward kernel": (False, DYNAMIC, False, None),
+    "backward kernel, walks of 128 groups": (False, DYNAMIC, False, 128),
+    "backward kernel, walks of 256 groups": (False, DYNAMIC, False, 256),
+    "backward kernel, walks of 512 groups": (False, DYNAMIC, False, 512),
 }
 
 
 def use(variant):
     """Run the CUDA matrix kernels as ``variant`` says, rendered anew."""
-    by_matmuls, dynamic, backward_by_matmuls = VARIANTS[variant]
+    by_matmuls, dynamic, backward_by_matmuls, walk_groups = VARIANTS[variant]
     mk.OUTPUTS_BY_MATMULS["cuda"] = by_matmuls
     mk.GRADIENTS_BY_MATMULS["cuda"] = backward_by_matmuls
+    mk.WALKS["cuda"] = walk_groups is not None
+    mk.WALK_GROUPS = walk_groups or 1
     kernels = mk.matrix_kernels("cuda")
     kernels.dialect = dataclasses.replace(DIALECTS["cuda"], dynamic_shared_bytes=dynamic)
     kernels._kernels, kernels._cores, kernels._shapes = LRU(32), LRU(32), LRU(64)

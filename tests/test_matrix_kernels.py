@@ -85,6 +85,29 @@ def readouts(request, monkeypatch):
         assert all(s.gradient_tiles is None for s in ran["products"])
 
 
+@pytest.fixture(params=["walk", "chunks"])
+def states_path(request, monkeypatch):
+    """The states through the chunks in the walk kernel (for any number of groups) or in the
+    states and chain kernels (``WALKS``, ``WALK_GROUPS``), on every kernel backend;
+    afterwards, that path is the one that ran."""
+    walk = request.param == "walk"
+    monkeypatch.setattr(mk, "WALK_GROUPS", 1 if walk else 1 << 62)
+    for backend in ("metal", "metal-sim", "cuda"):
+        monkeypatch.setitem(mk.WALKS, backend, True)
+    ran = []
+    choose = mk.MatrixKernels.walk
+
+    def counted(self, shape, instances):
+        tiles = choose(self, shape, instances)
+        ran.append(tiles)
+        return tiles
+
+    monkeypatch.setattr(mk.MatrixKernels, "walk", counted)
+    yield request.param
+    assert ran and all((tiles is not None) == walk for tiles in ran), \
+        f"the states did not pass through the chunks as {request.param}: {ran}"
+
+
 def _run(name, backend, seg):
     rec = rg.load_spec(name)
 
@@ -99,7 +122,8 @@ def _run(name, backend, seg):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("seg", [4, 16])  # L = 11: kernel chunks of 16, one partial chunk
 @pytest.mark.parametrize("name", SCALAR_DECAY_ZOO)
-def test_zoo_matches_the_paper(name, seg, backend, kernel_calls, readouts):
+def test_zoo_matches_the_paper(name, seg, backend, kernel_calls, readouts,
+                               states_path):
     mx.random.seed(sum(map(ord, name)) + seg)
     inputs, states = _draw(name)
     _assert_matches(_run(name, backend, seg), lambda i, s: _reference(name, i, s), inputs,
@@ -109,7 +133,8 @@ def test_zoo_matches_the_paper(name, seg, backend, kernel_calls, readouts):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("L, seg", [(150, 64), (40, 16), (70, 32), (100, 48)])
-def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts):
+def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts,
+                                 states_path):
     """GLA's scalar gate (readout after the update) over chunks of 64, 16, 32 and 48 steps (a
     chunk that is no multiple of a simdgroup's 32 lanes), with a state of sizes that are no
     multiple of the tiles."""
@@ -131,7 +156,8 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_strong_decays_keep_their_digits(backend, kernel_calls, readouts):
+def test_strong_decays_keep_their_digits(backend, kernel_calls, readouts,
+                                         states_path):
     """Decays of e^-3 to e^-10 a step run the log decay to -600 over a chunk of 64, where a
     difference of two running sums keeps four digits of a weight: the kernels sum each
     exponent over its own range, as the MLX ops do, and agree with the paper's loop as closely
@@ -176,7 +202,8 @@ def read_decayed(S, q, k, v, g, i):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("decayed", [False, True], ids=["before the update", "decayed"])
-def test_a_readout_of_the_state_before_the_update(decayed, backend, kernel_calls, readouts):
+def test_a_readout_of_the_state_before_the_update(decayed, backend, kernel_calls, readouts,
+                                                  states_path):
     """``y = Σ q S_{t-1}`` (neither the step's decay nor its added term: ``read_before``) and
     ``y = Σ q g S_{t-1}`` (the decay, not the added term: ``read_decayed``)."""
     mx.random.seed(3 + decayed)

@@ -34,6 +34,7 @@ kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -43,7 +44,7 @@ from ..function import first_order_only, opaque
 from ..memo import LRU
 from ..render.dialects import DIALECTS
 from ..render.matrix import (THREADS, MatrixKernelShape, MatrixRenderer, gradient_tiles,
-                             group_threads, state_tiles, tiles)
+                             group_threads, state_tiles, tiles, walk_tiles)
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, carry, causal_weights, parity
@@ -59,13 +60,13 @@ DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 # weights of the readouts, and with their cotangents those of the chunk gradients; the chunk
 # gradients from their products; and the whole backward of the chunks in one
 KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint",
-           "gradients", "chunk_gradients")
+           "gradients", "chunk_gradients", "walk", "adjoint_walk")
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 # The kernels that read their per-step factors where they lie, ``(*batch, T, X)`` at any strides
 # (``matrix_strided.j2``): a factor that is an input in the spec's layout (GLA's q, k, v, as
 # ``(B, H, T, K)`` views of ``[B, L, H, K]``) or a broadcast is not copied first. Their other
 # inputs are row-contiguous as passed
-STRIDED = ("states", "adjoint", "outputs", "chunk_gradients")
+STRIDED = ("states", "adjoint", "outputs", "chunk_gradients", "walk", "adjoint_walk")
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
 # kernel, per backend: none. CUDA ran them so (an H100: GLA B8 H16 L4096 forward 2.40 against
 # 2.97 ms) until the outputs kernel copied its tiles past the registers, in groups of 256: on an
@@ -77,6 +78,12 @@ OUTPUTS_BY_MATMULS: dict = {}
 # wherever its group memory is given (``MatrixKernelShape.gradient_tiles``: CUDA at every chunk,
 # Metal's 32 KB up to chunks of 32), the other path elsewhere
 GRADIENTS_BY_MATMULS: dict = {}
+# Where the states pass through the chunks in one walk kernel (one group per instance and state
+# tile, walking the chunks in order) instead of the states kernel (one group per chunk too) and
+# the chain, per backend; the walk runs where some tiling gives it at least WALK_GROUPS groups
+# (``MatrixKernels.walk``), as it has one group where the states kernel has one per chunk
+WALKS = {"metal": True, "metal-sim": True, "cuda": True}
+WALK_GROUPS = 128
 
 
 def kernel_chunk(seg: int) -> int:
@@ -114,7 +121,7 @@ class MatrixKernels:
             t = tiles(C, K, V, d, signed)
             return None if t is None else MatrixKernelShape(
                 C, K, V, *t, inclusive, units, signed, diagonal, state_tiles(C, K, V, d, signed),
-                gradient_tiles(C, K, V, d, signed))
+                gradient_tiles(C, K, V, d, signed), walk_tiles(C, K, V, d, signed))
 
         # the dialect's memory in the key: tests swap in variants of it
         memory = (d.shared_bytes, d.dynamic_shared_bytes, d.matrix_pads)
@@ -146,6 +153,9 @@ class MatrixKernels:
             body = r.chunk_gradients()
             ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving", "dims"]
             outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
+        elif kind in ("walk", "adjoint_walk"):
+            body = r.walk(reverse=kind == "adjoint_walk")
+            ins, outs = ["x", "y", "log_d", *signs, "init", "dims"], ["states", "last"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
             ins, outs = ["local", "decay", "init", "dims"], ["states", "last"]
@@ -171,14 +181,36 @@ class MatrixKernels:
         return self._kernels.get_or_build((shape, kind), build)
 
     # -- launches --------------------------------------------------------------------------------
+    def walk(self, shape, instances):
+        """The tiles of the walk through the chunks for ``instances`` instances: the largest
+        that give it ``WALK_GROUPS`` groups, or None (the states and chain kernels run)."""
+        if not WALKS.get(self.backend, False):
+            return None
+        for KT, VT in shape.walk_tiles:
+            if instances * -(-shape.K // KT) * -(-shape.V // VT) >= WALK_GROUPS:
+                return KT, VT
+        return None
+
     def states(self, shape, x, y, log_d, sign, init, reverse=False):
         """The state entering every chunk ``(I, nc, K, V)`` and the last one (walked newest
         first: the gradient leaving every chunk, and the initial state's). ``sign``: the
-        decay's ``±1`` per step, for a shape that is ``signed`` (else None). Two launches:
-        every chunk's state from zero at once, then the chain through the chunks."""
+        decay's ``±1`` per step, for a shape that is ``signed`` (else None). One walk through
+        the chunks where ``walk`` gives it tiles; else two launches, every chunk's state from
+        zero at once, then the chain through the chunks."""
         T, K = x.shape[-2:]
         I, V = math.prod(x.shape[:-2]), y.shape[-1]
         nc = -(-T // shape.C)
+        walk = self.walk(shape, I)
+        if walk is not None:
+            tiles = -(-K // walk[0]) * -(-V // walk[1])
+            threads = group_threads("walk")
+            return self._kernel(dataclasses.replace(shape, walk_tile=walk),
+                                "adjoint_walk" if reverse else "walk")(
+                # the initial state read row-contiguous (the walk reads x and y where they lie)
+                inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init),
+                        mx.array([T], dtype=mx.int32)],
+                grid=(I * tiles * threads, 1, 1), threadgroup=(threads, 1, 1),
+                output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32] * 2)
         SK, SV = shape.state_tiles
         tiles = -(-K // SK) * -(-V // SV)
         local, decay = self._kernel(shape, "adjoint" if reverse else "states")(
@@ -429,6 +461,11 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
                           diagonal)
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
+    if kind in ("walk", "adjoint_walk"):  # the walk's largest tiles
+        if not shape.walk_tiles:
+            raise ValueError(f"no tiling of the walk over a {state_size} x {lanes} state fits "
+                             "group memory")
+        shape = dataclasses.replace(shape, walk_tile=shape.walk_tiles[0])
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
@@ -489,5 +526,5 @@ def matrix_kernels(backend: str) -> MatrixKernels:
 
 
 __all__ = ["DEFAULT_ON", "GRADIENTS_BY_MATMULS", "KERNELS", "MAX_CHUNK", "MatrixKernels",
-           "STRIDED", "enabled", "kernel_chunk", "kernel_flags", "matrix_kernels", "matrix_source",
+           "STRIDED", "WALKS", "WALK_GROUPS", "enabled", "kernel_chunk", "kernel_flags", "matrix_kernels", "matrix_source",
            "spec_matrix_source"]

@@ -13,6 +13,12 @@ chain    one thread per element of the state walks the chunks in order (``adjoin
          newest first), ``S <- exp(Λ_C) S + U``, and stores the state entering each chunk (the
          gradient leaving each). Only this pass is sequential, and it moves one float in and
          one out per element and chunk, so its threads never wait on a product.
+walk     the two above in one kernel (``adjoint_walk``: the adjoint's): one threadgroup per
+         (instance, K tile, V tile; ``walk_tiles``) walks the chunks in order with its tile
+         of the state in group memory, ``S <- exp(Λ_C) S + Xᵀ Y``, storing the state entering
+         each chunk; each chunk's rows are copied while the chunk before is multiplied. It
+         moves no ``U`` through device memory, but its groups are as many as the instances
+         times the tiles, not times the chunks.
 outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_start) +
          (M ∘ (c @ aᵀ)) @ b`` with the causal decay weights ``M[t, j] = exp(R_t - Λ_j)``,
          ``j < t`` (``j ≤ t`` for a ``diagonal`` readout).
@@ -52,6 +58,9 @@ THREADS = 128  # four simdgroups / warps per threadgroup
 # The outputs kernel's groups: eight simdgroups, so each thread forms and copies half as many of
 # a chunk's elements (GLA B8 H16 L4096 K=V=64 on an H200, the kernel alone: 641 -> 486 µs)
 OUTPUT_THREADS = 256
+# The kernels of eight simdgroups a group: the outputs kernel, the backward's and the walks (a
+# 64 x 64 state tile is eight strips of the product, one a simdgroup)
+WIDE_KERNELS = ("outputs", "chunk_gradients", "walk", "adjoint_walk")
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
@@ -68,6 +77,9 @@ TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA 
 # (M = 32 is two strips of 16 rows); 64 x 64 fits CUDA's dynamic shared memory, 64 x 32 its
 # 48 KB of static arrays at chunks of 64, not Metal's 32 KB
 STATE_TILES = ((64, 64), (64, 32), (32, 32))
+# The walks' K and V tiles, largest first (``walk_tiles``): a larger tile reads each chunk's rows
+# fewer times, a smaller one gives more groups to walk at once
+WALK_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 
 
 # the per-chunk sums each kernel reads beyond log d's running sums (``matrix_cumulate.j2``):
@@ -76,6 +88,7 @@ STATE_TILES = ((64, 64), (64, 32), (32, 32))
 # exp(Λ_C)); and the sums of whole groups of 8 steps between any two groups ("spans", for the
 # kernels that sum a range per weight)
 _CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
+               "walk": ("tail", "whole"), "adjoint_walk": ("row", "whole"),
                "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",),
                "chunk_gradients": ("row", "tail", "spans")}
 # The backward's tiles of K and V (``gradient_tiles``), largest first: its group memory holds
@@ -85,7 +98,7 @@ GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (1
 
 def group_threads(kind: str) -> int:
     """Threads of a group of ``kind``'s kernel."""
-    return OUTPUT_THREADS if kind in ("outputs", "chunk_gradients") else THREADS
+    return OUTPUT_THREADS if kind in WIDE_KERNELS else THREADS
 
 
 def _weight_rows(rows: int) -> int:
@@ -144,6 +157,11 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False)
     if kind in ("states", "adjoint"):
         own = [("X", "C * LDX", C * (KT + cols)), ("Y", "C * LDY", C * (VT + cols)),
                ("S", "KT * VT", KT * VT)]
+    elif kind in ("walk", "adjoint_walk"):
+        # two buffers of the chunk's rows and log d (signs) by turns, and the state's tile
+        own = [("X", "2 * C * LDX", 2 * C * (KT + cols)), ("Y", "2 * C * LDY", 2 * C * (VT + cols)),
+               ("S", "KT * VT", KT * VT), ("logs", "2 * C", 2 * C)]
+        own += [("signs", "2 * C", 2 * C)] if signed else []
     elif kind == "outputs":
         # c and a side by side, later b in the same memory
         own = [("tiles", "TILES", max(2 * C * (KT + rows), C * (VT + cols))),
@@ -200,6 +218,15 @@ def state_tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
     return STATE_TILES[-1]
 
 
+def walk_tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
+    """The walks' ``(K tile, V tile)`` choices, largest first: those of ``WALK_TILES`` no larger
+    than the state (rounded up to 16) whose group memory ``dialect`` gives (the launch picks
+    one by the number of groups it makes; ``MatrixKernels.walk``)."""
+    return tuple((KT, VT) for KT, VT in WALK_TILES
+                 if KT <= _padded(K) and VT <= _padded(V)
+                 and group_memory("walk", C, KT, VT, dialect, signed) is not None)
+
+
 def gradient_tiles(C: int, K: int, V: int, dialect, signed=False):
     """The backward kernel's ``(K tile, V tile)``: the first of ``GRADIENT_TILES`` no larger than
     the state (rounded up to 16) whose group memory ``dialect`` gives, or None where none fits
@@ -229,6 +256,8 @@ class MatrixKernelShape:
     diagonal: bool = False  # readouts take their own step's added term: M[t, t] = 1
     state_tiles: tuple = STATE_TILES[-1]  # the states kernel's (K tile, V tile)
     gradient_tiles: tuple = None  # the backward kernel's, None where its memory is not given
+    walk_tiles: tuple = ()  # the walks' choices of tiles, largest first (``walk_tiles``)
+    walk_tile: tuple = None  # the tiles of the walk this shape renders (the launch's choice)
 
 
 class MatrixRenderer:
@@ -242,6 +271,8 @@ class MatrixRenderer:
         s = self.shape
         if kind == "chunk_gradients":
             return s.gradient_tiles
+        if kind in ("walk", "adjoint_walk"):
+            return s.walk_tile
         return s.state_tiles if kind in ("states", "adjoint", "chain", "adjoint_chain") \
             else (s.KT, s.VT)
 
@@ -250,8 +281,9 @@ class MatrixRenderer:
         memory = self.memory(kind)
         KT, VT = self._tiles(kind)
         warps = group_threads(kind) // 32
-        return dict(d=self.d, kind=kind, C=s.C,
-                    products=kind in ("states", "adjoint", "outputs", "chunk_gradients"),
+        return dict(d=self.d, kind=kind, C=s.C, walk=kind in ("walk", "adjoint_walk"),
+                    products=kind in ("states", "adjoint", "outputs", "chunk_gradients", "walk",
+                                      "adjoint_walk"),
                     sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
                     NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
@@ -293,15 +325,24 @@ class MatrixRenderer:
 
     def states(self, reverse: bool) -> str:
         ctx = self._context("adjoint" if reverse else "states")
-        s = self.shape
-        if reverse:
-            ctx.update(reverse=True, x_doc="c[j] exp(R_j)", y_doc="dy[j]",
-                       x_scale=("row_par[j] * " if s.signed else "") + "row_exp[j]")
-        else:
-            ctx.update(reverse=False, x_doc="a[j] exp(Λ_C - Λ_j)", y_doc="b[j]",
-                       x_scale=("whole_sign * par[j] * " if s.signed else "")
-                       + "tail_exp[j]")
+        ctx.update(reverse=reverse, **self._scaled_rows(reverse))
         return environment().get_template("matrix_states.j2").render(**ctx)
+
+    def walk(self, reverse: bool) -> str:
+        kind = "adjoint_walk" if reverse else "walk"
+        ctx = self._context(kind)
+        ctx.update(reverse=reverse, **self._scaled_rows(reverse))
+        return environment().get_template("matrix_walk.j2").render(**ctx)
+
+    def _scaled_rows(self, reverse: bool) -> dict:
+        """The states' and walks' ``Xᵀ Y``: what ``X`` and ``Y`` are, and the scale of ``X``'s
+        rows (``x_scale``, of row ``j``)."""
+        if reverse:
+            return dict(x_doc="c[j] exp(R_j)", y_doc="dy[j]",
+                        x_scale=("row_par[j] * " if self.shape.signed else "") + "row_exp[j]")
+        return dict(x_doc="a[j] exp(Λ_C - Λ_j)", y_doc="b[j]",
+                    x_scale=("whole_sign * par[j] * " if self.shape.signed else "")
+                    + "tail_exp[j]")
 
     def chain(self, reverse: bool) -> str:
         ctx = self._context("adjoint_chain" if reverse else "chain")
@@ -323,6 +364,6 @@ class MatrixRenderer:
             **self._context("chunk_gradients"))
 
 
-__all__ = ["GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
+__all__ = ["WALK_TILES", "WIDE_KERNELS", "walk_tiles", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
            "STATE_TILES", "THREADS", "gradient_tiles", "group_arrays", "group_memory",
            "group_threads", "state_tiles", "tiles"]
