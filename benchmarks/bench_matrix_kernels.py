@@ -32,15 +32,13 @@ from mlx_recgen.render.dialects import DIALECTS
 
 DYNAMIC = DIALECTS["cuda"].dynamic_shared_bytes
 VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, backward by matmuls,
-    #                the walk's least groups, None: the states and chain kernels)
+    #                the walk's least groups (``WALK_GROUPS``), None: no walk)
     "matmuls, declared tiles": (True, 0, True, None),
     "matmuls, dynamic tiles": (True, DYNAMIC, True, None),
     "outputs kernel, declared tiles": (False, 0, True, None),
     "outputs kernel, dynamic tiles": (False, DYNAMIC, True, None),
     "outputs kernel, backward kernel": (False, DYNAMIC, False, None),
-    "backward kernel, walks of 128 groups": (False, DYNAMIC, False, 128),
-    "backward kernel, walks of 256 groups": (False, DYNAMIC, False, 256),
-    "backward kernel, walks of 512 groups": (False, DYNAMIC, False, 512),
+    "backward kernel, walks where 128 groups": (False, DYNAMIC, False, 128),
 }
 
 

@@ -18,7 +18,7 @@ walk     the two above in one kernel (``adjoint_walk``: the adjoint's): one thre
          of the state in group memory, ``S <- exp(Λ_C) S + Xᵀ Y``, storing the state entering
          each chunk; each chunk's rows are copied while the chunk before is multiplied. It
          moves no ``U`` through device memory, but its groups are as many as the instances
-         times the tiles, not times the chunks.
+         times the tiles, not times the chunks: it pays where those fill the GPU.
 outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_start) +
          (M ∘ (c @ aᵀ)) @ b`` with the causal decay weights ``M[t, j] = exp(R_t - Λ_j)``,
          ``j < t`` (``j ≤ t`` for a ``diagonal`` readout).
@@ -77,8 +77,10 @@ TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA 
 # (M = 32 is two strips of 16 rows); 64 x 64 fits CUDA's dynamic shared memory, 64 x 32 its
 # 48 KB of static arrays at chunks of 64, not Metal's 32 KB
 STATE_TILES = ((64, 64), (64, 32), (32, 32))
-# The walks' K and V tiles, largest first (``walk_tiles``): a larger tile reads each chunk's rows
-# fewer times, a smaller one gives more groups to walk at once
+# The walks' K and V tiles, largest first (``walk_tiles``): each group repeats its chunks' sums of
+# log d and copies the chunks' rows of its K and V tiles, so smaller tiles cost more in all (GLA
+# B8 H16 L4096 K=V=64 on an H200, the walk alone: 336 µs in tiles of 64 x 64, 527 in 64 x 32,
+# 744 in 32 x 32, though these give 2 and 4 times the groups)
 WALK_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 
 
@@ -218,13 +220,14 @@ def state_tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
     return STATE_TILES[-1]
 
 
-def walk_tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
-    """The walks' ``(K tile, V tile)`` choices, largest first: those of ``WALK_TILES`` no larger
-    than the state (rounded up to 16) whose group memory ``dialect`` gives (the launch picks
-    one by the number of groups it makes; ``MatrixKernels.walk``)."""
-    return tuple((KT, VT) for KT, VT in WALK_TILES
-                 if KT <= _padded(K) and VT <= _padded(V)
-                 and group_memory("walk", C, KT, VT, dialect, signed) is not None)
+def walk_tiles(C: int, K: int, V: int, dialect, signed=False):
+    """The walks' ``(K tile, V tile)``: the first of ``WALK_TILES`` no larger than the state
+    (rounded up to 16) whose group memory ``dialect`` gives, or None where none fits."""
+    for KT, VT in WALK_TILES:
+        if KT <= _padded(K) and VT <= _padded(V) and \
+                group_memory("walk", C, KT, VT, dialect, signed) is not None:
+            return KT, VT
+    return None
 
 
 def gradient_tiles(C: int, K: int, V: int, dialect, signed=False):
@@ -256,8 +259,7 @@ class MatrixKernelShape:
     diagonal: bool = False  # readouts take their own step's added term: M[t, t] = 1
     state_tiles: tuple = STATE_TILES[-1]  # the states kernel's (K tile, V tile)
     gradient_tiles: tuple = None  # the backward kernel's, None where its memory is not given
-    walk_tiles: tuple = ()  # the walks' choices of tiles, largest first (``walk_tiles``)
-    walk_tile: tuple = None  # the tiles of the walk this shape renders (the launch's choice)
+    walk_tiles: tuple = None  # the walks', None where their memory is not given
 
 
 class MatrixRenderer:
@@ -272,7 +274,7 @@ class MatrixRenderer:
         if kind == "chunk_gradients":
             return s.gradient_tiles
         if kind in ("walk", "adjoint_walk"):
-            return s.walk_tile
+            return s.walk_tiles
         return s.state_tiles if kind in ("states", "adjoint", "chain", "adjoint_chain") \
             else (s.KT, s.VT)
 
