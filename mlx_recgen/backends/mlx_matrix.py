@@ -36,6 +36,7 @@ the inputs), and every MLX transformation applies.
 from __future__ import annotations
 
 import functools
+import operator
 
 import mlx.core as mx
 import sympy
@@ -79,6 +80,11 @@ def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> 
     statements += [Store("output", slot, e) for slot, e in zip(slots or
                    [Slot(f"m{i}") for i in range(len(stores))], stores)]
     return Program(statements, frozenset(ir.vector))
+
+
+def _add_to(sums: dict, key, y):
+    """``sums[key] += y``, starting from ``y`` itself (not from 0 + y, a pass of its own)."""
+    sums[key] = y if key not in sums else sums[key] + y
 
 
 def _as_fp32(x):
@@ -401,7 +407,7 @@ class MatrixForm(SequentialForm):
             if served is not None:
                 core, i = served
                 y, S = self._run_core(core, st, s, i, f, members, S0)
-                direct[i] = direct.get(i, 0.0) + y
+                _add_to(direct, i, y)
                 finals.append(S)
                 continue
             # a zero multiplier would give -inf - -inf below: its log is floored where exp
@@ -464,7 +470,7 @@ class MatrixForm(SequentialForm):
                     for a, _, b in terms:
                         a = a if sign is None else a * sign
                         y = y + mm(self._scores(c_t, a, log_d, mm), b)
-                    readouts[i] = readouts.get(i, 0.0) + y
+                    _add_to(readouts, i, y)
                     continue
                 # a scalar decay: its weights are per step (rows t, columns j), out of the
                 # products, so ``c @ aᵀ`` runs per group where c and a are per group
@@ -484,7 +490,7 @@ class MatrixForm(SequentialForm):
                         scores = mm(_spread(members, lc, c_t),
                                     mx.swapaxes(_spread(members, la, a), -1, -2)) * w
                     y = y + mm(scores, b)
-                readouts[i] = readouts.get(i, 0.0) + y
+                _add_to(readouts, i, y)
         if transitions:
             return maps, finals
         env = {}
@@ -492,10 +498,12 @@ class MatrixForm(SequentialForm):
             if ro.target in reads:  # a delta rule's read: solved
                 env[ro.target] = chunks.join(reads[ro.target])[..., None]
                 continue
-            y = chunks.join(readouts[i]) if i in readouts else 0.0
-            y = y + direct[i] if i in direct else y
-            for p in ro.reads:
-                y = y + f[("read", None, i, p)] * chunks.join(reads[p])
+            parts = [chunks.join(readouts[i])] if i in readouts else []
+            parts += [direct[i]] if i in direct else []
+            parts += [f[("read", None, i, p)] * chunks.join(reads[p]) for p in ro.reads]
+            # no 0 + y: an addition of zero is a pass over the readouts (65 µs of GLA's forward
+            # at B8 H16 L4096 on an H200)
+            y = functools.reduce(operator.add, parts) if parts else 0.0
             y = y[..., None] if isinstance(y, mx.array) else y
             rest = f.get(("rest", None, i, None))
             env[ro.target] = y if rest is None else y + rest
