@@ -2,7 +2,8 @@
 around the weights kernel or in the outputs kernel (``matrix_kernels.OUTPUTS_BY_MATMULS``), the
 chunks' backward in one kernel or as MLX's matmuls between kernels
 (``matrix_kernels.GRADIENTS_BY_MATMULS``), the states through the chunks in one walk or in the
-states and chain kernels (``matrix_kernels.WALKS``, ``WALK_GROUPS``), and the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
+states and chain kernels (``matrix_kernels.WALKS``, ``WALK_GROUPS``), copies of four floats at a
+time (``render.matrix.VECTOR_COPIES``), and the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
 (``Dialect.dynamic_shared_bytes``), beside FLA's chunk kernel on the same inputs. Variants named
 more than once run in turn (``--variants 3,1,3,1``): one process's first calls can run slower.
 
@@ -28,27 +29,35 @@ import mlx_recgen as rg
 from bench_peers import CASES, PEERS, make_inputs, ours, peers_run, rel, versions
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.memo import LRU
+from mlx_recgen.render import matrix as render_matrix
 from mlx_recgen.render.dialects import DIALECTS
 
 DYNAMIC = DIALECTS["cuda"].dynamic_shared_bytes
+WALKS = ("walk", "adjoint_walk")
 VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, backward by matmuls,
-    #                the walk's least groups (``WALK_GROUPS``), None: no walk)
-    "matmuls, declared tiles": (True, 0, True, None),
-    "matmuls, dynamic tiles": (True, DYNAMIC, True, None),
-    "outputs kernel, declared tiles": (False, 0, True, None),
-    "outputs kernel, dynamic tiles": (False, DYNAMIC, True, None),
-    "outputs kernel, backward kernel": (False, DYNAMIC, False, None),
-    "backward kernel, walks where 128 groups": (False, DYNAMIC, False, 128),
+    #                the walk's least groups (``WALK_GROUPS``), None: no walk;
+    #                the kernels copying four floats at a time, ``render.matrix.VECTOR_COPIES``)
+    "matmuls, declared tiles": (True, 0, True, None, ()),
+    "matmuls, dynamic tiles": (True, DYNAMIC, True, None, ()),
+    "outputs kernel, declared tiles": (False, 0, True, None, ()),
+    "outputs kernel, dynamic tiles": (False, DYNAMIC, True, None, ()),
+    "outputs kernel, backward kernel": (False, DYNAMIC, False, None, ()),
+    "backward kernel, walks where 128 groups": (False, DYNAMIC, False, 128, ()),
+    "walks, their copies by fours": (False, DYNAMIC, False, 128, WALKS),
+    "walks and outputs, copies by fours": (False, DYNAMIC, False, 128, (*WALKS, "outputs")),
+    "walks, outputs and backward, copies by fours":
+        (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients")),
 }
 
 
 def use(variant):
     """Run the CUDA matrix kernels as ``variant`` says, rendered anew."""
-    by_matmuls, dynamic, backward_by_matmuls, walk_groups = VARIANTS[variant]
+    by_matmuls, dynamic, backward_by_matmuls, walk_groups, by_fours = VARIANTS[variant]
     mk.OUTPUTS_BY_MATMULS["cuda"] = by_matmuls
     mk.GRADIENTS_BY_MATMULS["cuda"] = backward_by_matmuls
     mk.WALKS["cuda"] = walk_groups is not None
     mk.WALK_GROUPS = walk_groups or 1
+    render_matrix.VECTOR_COPIES = frozenset(by_fours)
     kernels = mk.matrix_kernels("cuda")
     kernels.dialect = dataclasses.replace(DIALECTS["cuda"], dynamic_shared_bytes=dynamic)
     kernels._kernels, kernels._cores, kernels._shapes = LRU(32), LRU(32), LRU(64)

@@ -334,12 +334,14 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
     assert mk.tiles(64, 64, 64, none) is None
 
 
-def test_the_kernels_read_factors_where_they_lie():
-    """The states, outputs and chunk-gradients kernels take ``c``, ``a``, ``b`` as
+def test_the_kernels_read_factors_where_they_lie(states_path):
+    """The states (or walk), outputs and chunk-gradients kernels take ``c``, ``a``, ``b`` as
     ``(*batch, T, X)`` views at any strides (``matrix_kernels.STRIDED``): transposed from the
     spec's layout, sliced, broadcast over a batch axis, every other column. They give the
     numbers of contiguous copies bit for bit, and the chunk form in MLX ops within rounding;
-    gradients come back in the views' shapes, bit for bit those of the copies."""
+    gradients come back in the views' shapes, bit for bit those of the copies. (The walk copies
+    rows of four floats where they lie side by side, ``c``'s and ``a``'s, and ``b``'s one float
+    at a time.)"""
     kernels = mk.matrix_kernels("metal-sim")
     B, H, T, K, V = 2, 3, 40, 16, 8
     shape = kernels.shape(16, K, V, inclusive=True, diagonal=True)

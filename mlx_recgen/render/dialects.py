@@ -40,8 +40,12 @@ class Dialect:
     shared_bytes: int = 32768
     matrix_prelude: str = ""
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
-    # not ok), complete in this thread after recgen_group_copies_done(); then a barrier
+    # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
+    # recgen_copy4_to_group(dst, src, n): four floats, the first n of src (0 <= n <= 4) and
+    # zeros after, where recgen_aligned16(src) holds and dst is 16-byte aligned
     group_copy_prelude: str = ""
+    # the qualifier that aligns a declared group array to 16 bytes (the four-float copies' rows)
+    shared_align: str = ""
     # group memory sized at launch, where the target has it beyond ``shared_bytes`` of
     # declared arrays: the declaration of that buffer (``{}``: its name) and the most a kernel
     # takes (0: none; every array is declared)
@@ -111,6 +115,16 @@ inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A,
 template <typename Source>  // a device or a constant pointer, as MLX passes the input
 inline void recgen_copy_to_group(threadgroup float* dst, Source src, bool ok) {
   *dst = ok ? *src : 0.0f;
+}
+template <typename Source>
+inline void recgen_copy4_to_group(threadgroup float* dst, Source src, int n) {
+  for (int i = 0; i < 4; ++i) {
+    dst[i] = i < n ? src[i] : 0.0f;
+  }
+}
+template <typename Source>  // plain loads: any float's address will do
+inline bool recgen_aligned16(Source) {
+  return true;
 }
 inline void recgen_group_copies_done() {}
 """,
@@ -235,10 +249,20 @@ __device__ inline void recgen_copy_to_group(float* dst, const float* src, bool o
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\\n" ::"r"(to), "l"(src),
                "r"(ok ? 4 : 0));
 }
+// four floats in one 16-byte copy, the last 4 - n filled with zeros (src-size 4 n)
+__device__ inline void recgen_copy4_to_group(float* dst, const float* src, int n) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(to), "l"(src),
+               "r"(4 * n));
+}
+__device__ inline bool recgen_aligned16(const float* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
 __device__ inline void recgen_group_copies_done() {
   asm volatile("cp.async.wait_all;\\n" ::);
 }
 """,
+    shared_align="__align__(16) ",
     math={**{k: v + "f" for k, v in _COMMON_MATH.items() if not v.startswith("recgen_")},
           "abs": "fabsf", "sign": "recgen_sign", "rsqrt": "rsqrtf", "max": "fmaxf",
           "log1p": "log1pf", "sigmoid": "recgen_sigmoid", "softplus": "recgen_softplus",

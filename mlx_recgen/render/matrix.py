@@ -69,6 +69,9 @@ UNROLL = 8
 # core (two is what its group memory allows at chunks of 64 on CUDA): its copies unrolled by 8
 # and unbounded, it took 255 registers a thread and spilled (one group a core)
 GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
+# The kernels whose copies of a chunk's rows take four floats at a time where the factor's rows
+# lie side by side and 16-byte aligned (``matrix_copies.j2``; else a float at a time)
+VECTOR_COPIES = frozenset({"walk", "adjoint_walk"})
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
@@ -284,6 +287,7 @@ class MatrixRenderer:
         KT, VT = self._tiles(kind)
         warps = group_threads(kind) // 32
         return dict(d=self.d, kind=kind, C=s.C, walk=kind in ("walk", "adjoint_walk"),
+                    vector_copies=kind in VECTOR_COPIES,
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients", "walk",
                                       "adjoint_walk"),
                     sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
@@ -366,6 +370,6 @@ class MatrixRenderer:
             **self._context("chunk_gradients"))
 
 
-__all__ = ["WALK_TILES", "WIDE_KERNELS", "walk_tiles", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
+__all__ = ["VECTOR_COPIES", "WALK_TILES", "WIDE_KERNELS", "walk_tiles", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
            "STATE_TILES", "THREADS", "gradient_tiles", "group_arrays", "group_memory",
            "group_threads", "state_tiles", "tiles"]
