@@ -47,6 +47,8 @@ VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, back
     "walks and outputs, copies by fours": (False, DYNAMIC, False, 128, (*WALKS, "outputs")),
     "walks, outputs and backward, copies by fours":
         (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients")),
+    "every kernel, copies by fours":
+        (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients", "states", "adjoint")),
 }
 
 

@@ -70,8 +70,13 @@ UNROLL = 8
 # and unbounded, it took 255 registers a thread and spilled (one group a core)
 GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
 # The kernels whose copies of a chunk's rows take four floats at a time where the factor's rows
-# lie side by side and 16-byte aligned (``matrix_copies.j2``; else a float at a time)
-VECTOR_COPIES = frozenset({"walk", "adjoint_walk"})
+# lie side by side and 16-byte aligned (``matrix_copies.j2``; else a float at a time): a
+# quarter of the copies' instructions, where the walk issues an instruction every 4.7 cycles
+# with two warps a scheduler. On an H200, GLA B8 H16 L4096 K=V=64 fp32: the forward 1.03-1.06 ->
+# 0.92 ms, forward+backward 3.19-3.29 -> 3.10 with the walks, outputs and backward kernels so
+# (benchmarks/results/bench-matrix-copies-by-fours-H200-2026-11-27.json)
+VECTOR_COPIES = frozenset({"states", "adjoint", "walk", "adjoint_walk", "outputs",
+                           "chunk_gradients"})
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
