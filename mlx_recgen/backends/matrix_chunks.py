@@ -72,10 +72,19 @@ def causal_weights(log_d):
 
 
 def parity(sign, axis):
-    """The running product of ``±1`` along ``axis``, from the count of ``-1``s (MLX has no
-    forward-mode derivative of ``cumprod``; a sign has no derivative anyway)."""
-    flips = mx.cumsum(mx.stop_gradient(sign) < 0, axis=axis).astype(mx.float32)
-    return 1.0 - 2.0 * mx.remainder(flips, 2.0)
+    """The running product along ``axis`` of the signs of ``sign``, a zero (a chunk's padding)
+    counting as ``+1`` (exact). The sign has no derivative, and behind the stop-gradient
+    forward mode never asks for ``cumprod``'s, which MLX lacks."""
+    return mx.cumprod(sign_of(mx.stop_gradient(sign)), axis=axis)
+
+
+def sign_of(d):
+    """``±1``: the sign of ``d``, ``+1`` at zero, from ``sign(d)`` and a zero test. No operand
+    is a scalar: on MLX's CUDA backend an uncompiled kernel with a scalar operand (``d < 0``,
+    ``where(.., -1, 1)``) reads it from host memory, 16-20 µs a kernel over 524288 elements
+    where one without takes 3.4 (benchmarks/results/bench-matrix-walk-H200-2026-11-27.md); a
+    gradient's trace of the forward runs uncompiled."""
+    return mx.sign(d) + mx.logical_not(d)
 
 
 def carry(S0, whole, sign, U):
@@ -108,4 +117,4 @@ def carry(S0, whole, sign, U):
     return starts, final
 
 
-__all__ = ["MatrixChunks", "carry", "causal_weights", "causal", "parity", "product"]
+__all__ = ["MatrixChunks", "carry", "causal", "causal_weights", "parity", "product", "sign_of"]

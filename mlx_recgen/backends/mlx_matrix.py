@@ -47,7 +47,7 @@ from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
-from .matrix_chunks import MatrixChunks, carry, causal_weights, parity, product
+from .matrix_chunks import MatrixChunks, carry, causal_weights, parity, product, sign_of
 from .matrix_kernels import enabled as kernels_enabled
 from .matrix_kernels import kernel_chunk, kernel_flags, matrix_kernels
 from .mlx_blocks import Block
@@ -425,7 +425,7 @@ class MatrixForm(SequentialForm):
             sign = sign_ex = sign_end = sg = None
             to_end = mx.exp(to_end)
             if not st.positive:
-                sg = chunks.cut(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0), 1.0)
+                sg = chunks.cut(sign_of(f[("decay", s, None, None)]), 1.0)
                 sign = parity(sg, axis=-2)
                 sign_ex, sign_end = sign * sg, sign[..., -1:, :]
                 to_end = to_end * sign * sign_end
@@ -543,7 +543,7 @@ class MatrixForm(SequentialForm):
         # the core reads the sign for a signed shape only (any array stands in otherwise); a
         # zero multiplier counts as positive: its floored log erases the state anyway
         sign = log_d if st.positive else \
-            flat(mx.where(f[("decay", s, None, None)] < 0, -1.0, 1.0))[..., 0]
+            flat(sign_of(f[("decay", s, None, None)]))[..., 0]
         y, S, _ = core(lead(c), lead(a), lead(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
 
