@@ -30,15 +30,13 @@ from bench_peers import CASES, PEERS, make_inputs, ours, peers_run, rel, version
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.memo import LRU
 from mlx_recgen.render import matrix as render_matrix
-from mlx_recgen.render.matrix import WALK_THREADS
 from mlx_recgen.render.dialects import DIALECTS
 
 DYNAMIC = DIALECTS["cuda"].dynamic_shared_bytes
 WALKS = ("walk", "adjoint_walk")
 VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, backward by matmuls,
     #                the walk's least groups (``WALK_GROUPS``), None: no walk;
-    #                the kernels copying four floats at a time, ``render.matrix.VECTOR_COPIES``;
-    #                the walks' threads where not ``render.matrix.WALK_THREADS``)
+    #                the kernels copying four floats at a time, ``render.matrix.VECTOR_COPIES``)
     "matmuls, declared tiles": (True, 0, True, None, ()),
     "matmuls, dynamic tiles": (True, DYNAMIC, True, None, ()),
     "outputs kernel, declared tiles": (False, 0, True, None, ()),
@@ -51,17 +49,12 @@ VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, back
         (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients")),
     "every kernel, copies by fours":
         (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients", "states", "adjoint")),
-    "every kernel, copies by fours, walks of 256 threads":
-        (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients", "states", "adjoint"),
-         256),
 }
 
 
 def use(variant):
     """Run the CUDA matrix kernels as ``variant`` says, rendered anew."""
-    by_matmuls, dynamic, backward_by_matmuls, walk_groups, by_fours, *walk_threads = \
-        VARIANTS[variant]
-    render_matrix.WALK_THREADS = walk_threads[0] if walk_threads else WALK_THREADS
+    by_matmuls, dynamic, backward_by_matmuls, walk_groups, by_fours = VARIANTS[variant]
     mk.OUTPUTS_BY_MATMULS["cuda"] = by_matmuls
     mk.GRADIENTS_BY_MATMULS["cuda"] = backward_by_matmuls
     mk.WALKS["cuda"] = walk_groups is not None

@@ -21,7 +21,6 @@ from conftest import KERNEL_BACKENDS, rel_err
 from references import gla_ref
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.backends.mlx_source import without_mlx_header
-from mlx_recgen.render.matrix import WALK_THREADS, group_threads
 from test_matrix import _assert_matches
 from test_zoo import _draw, _from_spec, _reference, _to_spec
 
@@ -153,29 +152,6 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts,
     _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
                     tol=_tol(backend))
     assert {s.C for s in kernel_calls} == {seg} and all(s.diagonal for s in kernel_calls)
-
-
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_gla_with_a_state_of_64_x_64(backend, kernel_calls, states_path):
-    """A state of the largest tiles: on CUDA the walk takes it in groups of ``WALK_THREADS``
-    (16 simdgroups; Metal's group memory gives the walk smaller tiles and 8)."""
-    mx.random.seed(64)
-    b, L, H, K, V = 1, 150, 2, 64, 64
-    q, k = mx.random.normal((b, L, H, K)) / 8, mx.random.normal((b, L, H, K))
-    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
-    g = mx.random.uniform(0.8, 1.0, (b, L, H))
-    gla = rg.load_spec("gla")
-
-    def run(i, s):
-        y, S = gla(*i, initial_state=s[0], return_state=True, backend=backend,
-                   schedule="matrix", seg=64)
-        return [y], [S]
-
-    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
-                    tol=_tol(backend))
-    assert kernel_calls
-    if backend == "cuda":
-        assert group_threads("walk", kernel_calls[0].walk_tiles) == WALK_THREADS
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

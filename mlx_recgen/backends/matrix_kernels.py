@@ -204,7 +204,7 @@ class MatrixKernels:
         nc = -(-T // shape.C)
         if self.walk(shape, I):
             KT, VT = shape.walk_tiles
-            threads = group_threads("walk", shape.walk_tiles)
+            threads = group_threads("walk")
             return self._kernel(shape, "adjoint_walk" if reverse else "walk")(
                 # the initial state read row-contiguous (the walk reads x and y where they lie)
                 inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init),

@@ -61,11 +61,6 @@ OUTPUT_THREADS = 256
 # The kernels of eight simdgroups a group: the outputs kernel, the backward's and the walks (a
 # 64 x 64 state tile is eight strips of the product, one a simdgroup)
 WIDE_KERNELS = ("outputs", "chunk_gradients", "walk", "adjoint_walk")
-# The walks' groups where their tile gives each thread 8 elements or more (64 x 64): sixteen
-# simdgroups, as a walk's group is the only one on its core and issues its copies, sums and
-# scalings with few warps to hide their latency (eight warps of it issued an instruction every
-# 4.7 cycles each)
-WALK_THREADS = 512
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
@@ -111,11 +106,8 @@ _CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
 GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (16, 16))
 
 
-def group_threads(kind: str, tiles=None) -> int:
-    """Threads of a group of ``kind``'s kernel (the walks': for their ``tiles``)."""
-    if kind in ("walk", "adjoint_walk") and tiles is not None and \
-            tiles[0] * tiles[1] >= 8 * WALK_THREADS:
-        return WALK_THREADS
+def group_threads(kind: str) -> int:
+    """Threads of a group of ``kind``'s kernel."""
     return OUTPUT_THREADS if kind in WIDE_KERNELS else THREADS
 
 
@@ -304,7 +296,7 @@ class MatrixRenderer:
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients", "walk",
                                       "adjoint_walk"),
                     sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
-                    NT=group_threads(kind, self._tiles(kind)),
+                    NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
                     diagonal=s.diagonal,  # the causal weights' columns j of row t, and the others
                     causal="j <= t" if s.diagonal else "j < t",
@@ -319,20 +311,12 @@ class MatrixRenderer:
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
                     memory=memory, ROWS=_weight_rows(s.C // warps),
                     UNROLL=GRADIENT_UNROLL if kind == "chunk_gradients" else UNROLL,
-                    bounds=self._bounds(kind),
+                    bounds=self.d.launch_bounds.format(threads=group_threads(kind),
+                                                       groups=GRADIENT_GROUPS)
+                    if kind == "chunk_gradients" else "",
                     # the backward's tiles of rows and products (every array a matrix operand
                     # read row-wise: the rows pad)
                     LDT=max(KT, VT) + rows, LDP=max(KT, VT) + rows)
-
-    def _bounds(self, kind: str) -> str:
-        """The registers' bound of ``kind``'s kernel (``Dialect.launch_bounds``): the backward's
-        to two groups a core, a walk of ``WALK_THREADS`` to one; else none."""
-        threads = group_threads(kind, self._tiles(kind))
-        if kind == "chunk_gradients":
-            return self.d.launch_bounds.format(threads=threads, groups=GRADIENT_GROUPS)
-        if threads == WALK_THREADS and kind in ("walk", "adjoint_walk"):
-            return self.d.launch_bounds.format(threads=threads, groups=1)
-        return ""
 
     def memory(self, kind: str) -> GroupMemory:
         """The group memory of ``kind``'s kernel (a shape is only made where it fits)."""
@@ -391,6 +375,6 @@ class MatrixRenderer:
             **self._context("chunk_gradients"))
 
 
-__all__ = ["VECTOR_COPIES", "WALK_THREADS", "WALK_TILES", "WIDE_KERNELS", "walk_tiles", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
+__all__ = ["VECTOR_COPIES", "WALK_TILES", "WIDE_KERNELS", "walk_tiles", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
            "STATE_TILES", "THREADS", "gradient_tiles", "group_arrays", "group_memory",
            "group_threads", "state_tiles", "tiles"]
