@@ -155,6 +155,27 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts,
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_gla_with_a_state_of_64_x_64(backend, kernel_calls, states_path):
+    """A state of the largest tiles: on CUDA the walk takes it in tiles of 64 x 64 (Metal's group
+    memory gives the walk smaller ones)."""
+    mx.random.seed(64)
+    b, L, H, K, V = 1, 150, 2, 64, 64
+    q, k = mx.random.normal((b, L, H, K)) / 8, mx.random.normal((b, L, H, K))
+    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+    g = mx.random.uniform(0.8, 1.0, (b, L, H))
+    gla = rg.load_spec("gla")
+
+    def run(i, s):
+        y, S = gla(*i, initial_state=s[0], return_state=True, backend=backend,
+                   schedule="matrix", seg=64)
+        return [y], [S]
+
+    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
+                    tol=_tol(backend))
+    assert kernel_calls
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_strong_decays_keep_their_digits(backend, kernel_calls, readouts,
                                          states_path):
     """Decays of e^-3 to e^-10 a step run the log decay to -600 over a chunk of 64, where a
