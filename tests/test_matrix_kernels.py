@@ -107,6 +107,20 @@ def states_path(request, monkeypatch):
         f"the states did not pass through the chunks as {request.param}: {ran}"
 
 
+def _assert_gla_matches(backend, q, k, v, g, S0, seg, tol):
+    """GLA on ``backend``'s matrix kernels against the paper's loop: outputs, final state and
+    every gradient (``test_matrix._assert_matches``)."""
+    gla = rg.load_spec("gla")
+
+    def run(i, s):
+        y, S = gla(*i, initial_state=s[0], return_state=True, backend=backend,
+                   schedule="matrix", seg=seg)
+        return [y], [S]
+
+    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
+                    tol=tol)
+
+
 def _run(name, backend, seg):
     rec = rg.load_spec(name)
 
@@ -142,15 +156,7 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts,
     q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
     v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
     g = mx.random.uniform(0.7, 1.0, (b, L, H))
-    gla = rg.load_spec("gla")
-
-    def run(i, s):
-        y, S = gla(*i, initial_state=s[0], return_state=True, backend=backend,
-                   schedule="matrix", seg=seg)
-        return [y], [S]
-
-    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
-                    tol=_tol(backend))
+    _assert_gla_matches(backend, q, k, v, g, S0, seg=seg, tol=_tol(backend))
     assert {s.C for s in kernel_calls} == {seg} and all(s.diagonal for s in kernel_calls)
 
 
@@ -163,15 +169,7 @@ def test_gla_with_a_state_of_64_x_64(backend, kernel_calls, states_path):
     q, k = mx.random.normal((b, L, H, K)) / 8, mx.random.normal((b, L, H, K))
     v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
     g = mx.random.uniform(0.8, 1.0, (b, L, H))
-    gla = rg.load_spec("gla")
-
-    def run(i, s):
-        y, S = gla(*i, initial_state=s[0], return_state=True, backend=backend,
-                   schedule="matrix", seg=64)
-        return [y], [S]
-
-    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
-                    tol=_tol(backend))
+    _assert_gla_matches(backend, q, k, v, g, S0, seg=64, tol=_tol(backend))
     assert kernel_calls
 
 
@@ -187,15 +185,7 @@ def test_strong_decays_keep_their_digits(backend, kernel_calls, readouts,
     q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
     v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
     g = mx.exp(-mx.random.uniform(3.0, 10.0, (b, L, H)))
-    gla = rg.load_spec("gla")
-
-    def run(i, s):
-        y, S = gla(*i, initial_state=s[0], return_state=True, backend=backend,
-                   schedule="matrix", seg=64)
-        return [y], [S]
-
-    _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g], [S0],
-                    tol=_tol(backend) / 4)
+    _assert_gla_matches(backend, q, k, v, g, S0, seg=64, tol=_tol(backend) / 4)
     assert kernel_calls
 
 
