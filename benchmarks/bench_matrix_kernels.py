@@ -3,9 +3,10 @@ around the weights kernel or in the outputs kernel (``matrix_kernels.OUTPUTS_BY_
 chunks' backward in one kernel or as MLX's matmuls between kernels
 (``matrix_kernels.GRADIENTS_BY_MATMULS``), the states through the chunks in one walk or in the
 states and chain kernels (``matrix_kernels.WALKS``, ``WALK_GROUPS``), copies of four floats at a
-time (``render.matrix.VECTOR_COPIES``), and the kernels' tiles within the 48 KB a CUDA kernel may declare or within the dynamic shared memory
-(``Dialect.dynamic_shared_bytes``), beside FLA's chunk kernel on the same inputs. Variants named
-more than once run in turn (``--variants 3,1,3,1``): one process's first calls can run slower.
+time (``render.matrix.VECTOR_COPIES``), and the kernels' tiles within the 48 KB a CUDA kernel
+may declare or within the dynamic shared memory (``Dialect.dynamic_shared_bytes``), beside
+FLA's chunk kernel on the same inputs. Variants named more than once run in turn
+(``--variants 3,1,3,1``): one process's first calls can run slower.
 
     python benchmarks/bench_matrix_kernels.py --cases 4,5 --out bench-matrix-kernels.json
 

@@ -10,8 +10,8 @@ readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-st
 factors from the inputs, the per-step outputs from the readouts — stays MLX ops, so MLX
 differentiates it; the core's VJP is
 
-* the states and chain kernels walked newest first: the gradient leaving each chunk (``G``)
-  and ``dS0``;
+* the states and chain kernels (or the walk, ``MatrixKernels.walk``) newest first: the
+  gradient leaving each chunk (``G``) and ``dS0``;
 * per chunk, in one kernel (``chunk_gradients``) where its group memory is given, else as
   MLX's batched matmuls between two kernels (``GRADIENTS_BY_MATMULS``): with the causal weights
   ``M[t, j] = exp(R_t - Λ_j)`` (``j < t``; ``j ≤ t`` for a ``diagonal`` readout),
@@ -42,8 +42,8 @@ import mlx.core as mx
 from ..function import first_order_only, opaque
 from ..memo import LRU
 from ..render.dialects import DIALECTS
-from ..render.matrix import (THREADS, MatrixKernelShape, MatrixRenderer, gradient_tiles,
-                             group_threads, state_tiles, tiles, walk_tiles)
+from ..render.matrix import (THREADS, WALK_KINDS, MatrixKernelShape, MatrixRenderer,
+                             gradient_tiles, group_threads, state_tiles, tiles, walk_tiles)
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, carry, causal_weights, parity
@@ -59,13 +59,13 @@ DEFAULT_ON = {"metal": True, "metal-sim": True, "cuda": True}
 # weights of the readouts, and with their cotangents those of the chunk gradients; the chunk
 # gradients from their products; and the whole backward of the chunks in one
 KERNELS = ("states", "chain", "outputs", "adjoint", "adjoint_chain", "weights", "weights_adjoint",
-           "gradients", "chunk_gradients", "walk", "adjoint_walk")
+           "gradients", "chunk_gradients", *WALK_KINDS)
 MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside the tiles
 # The kernels that read their per-step factors where they lie, ``(*batch, T, X)`` at any strides
 # (``matrix_strided.j2``): a factor that is an input in the spec's layout (GLA's q, k, v, as
 # ``(B, H, T, K)`` views of ``[B, L, H, K]``) or a broadcast is not copied first. Their other
 # inputs are row-contiguous as passed
-STRIDED = ("states", "adjoint", "outputs", "chunk_gradients", "walk", "adjoint_walk")
+STRIDED = ("states", "adjoint", "outputs", "chunk_gradients", *WALK_KINDS)
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
 # kernel, per backend: none. CUDA ran them so (an H100: GLA B8 H16 L4096 forward 2.40 against
 # 2.97 ms) until the outputs kernel copied its tiles past the registers, in groups of 256: on an
@@ -157,7 +157,7 @@ class MatrixKernels:
             body = r.chunk_gradients()
             ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving", "dims"]
             outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
-        elif kind in ("walk", "adjoint_walk"):
+        elif kind in WALK_KINDS:
             body = r.walk(reverse=kind == "adjoint_walk")
             ins, outs = ["x", "y", "log_d", *signs, "init", "dims"], ["states", "last"]
         elif kind in ("chain", "adjoint_chain"):
@@ -522,5 +522,5 @@ def matrix_kernels(backend: str) -> MatrixKernels:
 
 
 __all__ = ["DEFAULT_ON", "GRADIENTS_BY_MATMULS", "KERNELS", "MAX_CHUNK", "MatrixKernels",
-           "STRIDED", "WALKS", "WALK_GROUPS", "enabled", "kernel_chunk", "kernel_flags", "matrix_kernels", "matrix_source",
-           "spec_matrix_source"]
+           "STRIDED", "WALKS", "WALK_GROUPS", "enabled", "kernel_chunk", "kernel_flags",
+           "matrix_kernels", "matrix_source", "spec_matrix_source"]

@@ -60,7 +60,8 @@ THREADS = 128  # four simdgroups / warps per threadgroup
 OUTPUT_THREADS = 256
 # The kernels of eight simdgroups a group: the outputs kernel, the backward's and the walks (a
 # 64 x 64 state tile is eight strips of the product, one a simdgroup)
-WIDE_KERNELS = ("outputs", "chunk_gradients", "walk", "adjoint_walk")
+WALK_KINDS = ("walk", "adjoint_walk")  # the walk through the chunks, and its adjoint's
+WIDE_KERNELS = ("outputs", "chunk_gradients", *WALK_KINDS)
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
@@ -75,8 +76,7 @@ GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
 # with two warps a scheduler. On an H200, GLA B8 H16 L4096 K=V=64 fp32: the forward 1.03-1.06 ->
 # 0.92 ms, forward+backward 3.19-3.29 -> 3.10 with the walks, outputs and backward kernels so
 # (benchmarks/results/bench-matrix-copies-by-fours-H200-2026-11-27.json)
-VECTOR_COPIES = frozenset({"states", "adjoint", "walk", "adjoint_walk", "outputs",
-                           "chunk_gradients"})
+VECTOR_COPIES = frozenset({"states", "adjoint", *WALK_KINDS, "outputs", "chunk_gradients"})
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
@@ -167,7 +167,7 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False)
     if kind in ("states", "adjoint"):
         own = [("X", "C * LDX", C * (KT + cols)), ("Y", "C * LDY", C * (VT + cols)),
                ("S", "KT * VT", KT * VT)]
-    elif kind in ("walk", "adjoint_walk"):
+    elif kind in WALK_KINDS:
         # two buffers of the chunk's rows and log d (signs) by turns, and the state's tile
         own = [("X", "2 * C * LDX", 2 * C * (KT + cols)), ("Y", "2 * C * LDY", 2 * C * (VT + cols)),
                ("S", "KT * VT", KT * VT), ("logs", "2 * C", 2 * C)]
@@ -281,7 +281,7 @@ class MatrixRenderer:
         s = self.shape
         if kind == "chunk_gradients":
             return s.gradient_tiles
-        if kind in ("walk", "adjoint_walk"):
+        if kind in WALK_KINDS:
             return s.walk_tiles
         return s.state_tiles if kind in ("states", "adjoint", "chain", "adjoint_chain") \
             else (s.KT, s.VT)
@@ -291,10 +291,10 @@ class MatrixRenderer:
         memory = self.memory(kind)
         KT, VT = self._tiles(kind)
         warps = group_threads(kind) // 32
-        return dict(d=self.d, kind=kind, C=s.C, walk=kind in ("walk", "adjoint_walk"),
+        return dict(d=self.d, kind=kind, C=s.C, walk=kind in WALK_KINDS,
                     vector_copies=kind in VECTOR_COPIES,
-                    products=kind in ("states", "adjoint", "outputs", "chunk_gradients", "walk",
-                                      "adjoint_walk"),
+                    products=kind in ("states", "adjoint", "outputs", "chunk_gradients",
+                                      *WALK_KINDS),
                     sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
                     NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
@@ -375,6 +375,7 @@ class MatrixRenderer:
             **self._context("chunk_gradients"))
 
 
-__all__ = ["VECTOR_COPIES", "WALK_TILES", "WIDE_KERNELS", "walk_tiles", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
-           "STATE_TILES", "THREADS", "gradient_tiles", "group_arrays", "group_memory",
-           "group_threads", "state_tiles", "tiles"]
+__all__ = ["GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer",
+           "OUTPUT_THREADS", "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS",
+           "WALK_TILES", "WIDE_KERNELS", "gradient_tiles", "group_arrays", "group_memory",
+           "group_threads", "state_tiles", "tiles", "walk_tiles"]
