@@ -110,7 +110,11 @@ def arranged(x, perm, shape) -> mx.array:
     return x if shape is None else mx.reshape(x, shape)
 
 
-COMPILE_MAX_STATE = 4096  # state elements per call up to which the decode path is compiled
+# State elements per call up to which the decode path is compiled: a step of mlx-lm's
+# gated_delta_update routed at 4 value heads of K = V = 64 (16384) took 0.98-1.04x mlx-lm's own
+# compiled and 1.10-1.23x plain; at K = V = 128 (65536) 0.94-1.00x compiled and 0.82-0.89x plain
+# (benchmarks/results/decode-compile-threshold-cpu-2026-11-27.md)
+COMPILE_MAX_STATE = 16384
 
 
 class Decoder:
@@ -120,9 +124,9 @@ class Decoder:
     checkpoints. MLX's own transforms differentiate (a few steps' states are cheap to keep),
     vmap and compile it. Calls whose states hold at most ``COMPILE_MAX_STATE`` elements run it
     ``mx.compile``d: there the ops' dispatch dominates and compiling fuses it away (a tiny
-    gated DeltaNet step, H4 K=V=8: 42 against 67 µs on the CPU, mlx 0.32); larger states run
-    the plain ops, which the CPU runs faster than the compiled step (H16 K=V=128: 423 against
-    494 µs)."""
+    gated DeltaNet step, H4 K=V=8: 42 against 67 µs on the CPU, mlx 0.32; H4 K=V=64 too);
+    larger states run the plain ops, which the CPU runs faster than the compiled step (H4
+    K=V=128; H16 K=V=128: 423 against 494 µs)."""
 
     def __init__(self, backend, sizes: dict, out_dtype):  # an MLXBackend (mlx_backend.py)
         spec, table = backend.rec.spec, backend.table
