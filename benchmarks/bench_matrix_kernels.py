@@ -31,10 +31,10 @@ from bench_peers import CASES, PEERS, make_inputs, ours, peers_run, rel, version
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.memo import LRU
 from mlx_recgen.render import matrix as render_matrix
+from mlx_recgen.render.matrix import WALK_KINDS
 from mlx_recgen.render.dialects import DIALECTS
 
 DYNAMIC = DIALECTS["cuda"].dynamic_shared_bytes
-WALKS = ("walk", "adjoint_walk")
 VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, backward by matmuls,
     #                the walk's least groups (``WALK_GROUPS``), None: no walk;
     #                the kernels copying four floats at a time, ``render.matrix.VECTOR_COPIES``)
@@ -44,12 +44,13 @@ VARIANTS = {  # name: (readouts by matmuls, dynamic shared memory in bytes, back
     "outputs kernel, dynamic tiles": (False, DYNAMIC, True, None, ()),
     "outputs kernel, backward kernel": (False, DYNAMIC, False, None, ()),
     "backward kernel, walks where 128 groups": (False, DYNAMIC, False, 128, ()),
-    "walks, their copies by fours": (False, DYNAMIC, False, 128, WALKS),
-    "walks and outputs, copies by fours": (False, DYNAMIC, False, 128, (*WALKS, "outputs")),
+    "walks, their copies by fours": (False, DYNAMIC, False, 128, WALK_KINDS),
+    "walks and outputs, copies by fours": (False, DYNAMIC, False, 128, (*WALK_KINDS, "outputs")),
     "walks, outputs and backward, copies by fours":
-        (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients")),
+        (False, DYNAMIC, False, 128, (*WALK_KINDS, "outputs", "chunk_gradients")),
     "every kernel, copies by fours":
-        (False, DYNAMIC, False, 128, (*WALKS, "outputs", "chunk_gradients", "states", "adjoint")),
+        (False, DYNAMIC, False, 128,
+         (*WALK_KINDS, "outputs", "chunk_gradients", "states", "adjoint")),
 }
 
 

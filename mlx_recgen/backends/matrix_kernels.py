@@ -190,30 +190,27 @@ class MatrixKernels:
         instances: where its tiles give it ``WALK_GROUPS`` groups (``WALKS``)."""
         if not WALKS.get(self.backend, False) or shape.walk_tiles is None:
             return False
-        KT, VT = shape.walk_tiles
-        return instances * -(-shape.K // KT) * -(-shape.V // VT) >= WALK_GROUPS
+        return instances * _tile_count(shape.K, shape.V, shape.walk_tiles) >= WALK_GROUPS
 
     def states(self, shape, x, y, log_d, sign, init, reverse=False):
         """The state entering every chunk ``(I, nc, K, V)`` and the last one (walked newest
         first: the gradient leaving every chunk, and the initial state's). ``sign``: the
         decay's ``±1`` per step, for a shape that is ``signed`` (else None). One walk through
-        the chunks where ``walk`` gives it tiles; else two launches, every chunk's state from
-        zero at once, then the chain through the chunks."""
+        the chunks where ``walk`` says so; else two launches, every chunk's state from zero at
+        once, then the chain through the chunks."""
         T, K = x.shape[-2:]
         I, V = math.prod(x.shape[:-2]), y.shape[-1]
         nc = -(-T // shape.C)
         if self.walk(shape, I):
-            KT, VT = shape.walk_tiles
             threads = group_threads("walk")
             return self._kernel(shape, "adjoint_walk" if reverse else "walk")(
                 # the initial state read row-contiguous (the walk reads x and y where they lie)
                 inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init),
                         mx.array([T], dtype=mx.int32)],
-                grid=(I * -(-K // KT) * -(-V // VT) * threads, 1, 1),
+                grid=(I * _tile_count(K, V, shape.walk_tiles) * threads, 1, 1),
                 threadgroup=(threads, 1, 1),
                 output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32] * 2)
-        SK, SV = shape.state_tiles
-        tiles = -(-K // SK) * -(-V // SV)
+        tiles = _tile_count(K, V, shape.state_tiles)
         local, decay = self._kernel(shape, "adjoint" if reverse else "states")(
             inputs=[x, y, log_d, *_signs(sign), mx.array([T], dtype=mx.int32)],
             grid=(I * nc * tiles * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
@@ -404,6 +401,11 @@ def core_in_ops(shape, c, a, b, log_d, sign, init):
     starts, last = carry(init, whole, chunk_sign, _tr(ac) @ (e_end * bc))
     y = e_row * (cc @ starts) + ((cc @ _tr(ac)) * M) @ bc
     return chunks.join(y), last, starts
+
+
+def _tile_count(K, V, tiles):
+    """How many ``(K tile, V tile)`` tiles cover a ``K x V`` state."""
+    return -(-K // tiles[0]) * -(-V // tiles[1])
 
 
 def _tr(x):

@@ -58,9 +58,9 @@ THREADS = 128  # four simdgroups / warps per threadgroup
 # The outputs kernel's groups: eight simdgroups, so each thread forms and copies half as many of
 # a chunk's elements (GLA B8 H16 L4096 K=V=64 on an H200, the kernel alone: 641 -> 486 µs)
 OUTPUT_THREADS = 256
+WALK_KINDS = ("walk", "adjoint_walk")  # the walk through the chunks, and its adjoint's
 # The kernels of eight simdgroups a group: the outputs kernel, the backward's and the walks (a
 # 64 x 64 state tile is eight strips of the product, one a simdgroup)
-WALK_KINDS = ("walk", "adjoint_walk")  # the walk through the chunks, and its adjoint's
 WIDE_KERNELS = ("outputs", "chunk_gradients", *WALK_KINDS)
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
