@@ -119,7 +119,7 @@ def test_decode_step_matches_a_hand_written_gated_deltanet():
     assert rel_err(y, y_ref) < 1e-5 and rel_err(S1, S_ref) < 1e-5
 
 
-@pytest.mark.parametrize("H, K, compiled", [(2, 8, True), (16, 64, False)])
+@pytest.mark.parametrize("H, K, compiled", [(2, 8, True), (4, 64, True), (16, 64, False)])
 def test_small_states_decode_compiled(H, K, compiled):
     """Up to ``COMPILE_MAX_STATE`` state elements the decode path runs ``mx.compile``d, beyond
     it as plain ops; both the hand-written loop's values, gradients and vmap alike."""
