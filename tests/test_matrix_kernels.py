@@ -18,13 +18,14 @@ import pytest
 
 import mlx_recgen as rg
 from conftest import KERNEL_BACKENDS, rel_err
-from references import gla_ref
+from references import gla_ref, ssd_ref
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.backends.mlx_source import without_mlx_header
 from test_matrix import _assert_matches
 from test_zoo import _draw, _from_spec, _reference, _to_spec
 
 SCALAR_DECAY_ZOO = ["mamba2", "retnet"]  # the zoo's matrix specs of scalar decay, besides gla
+VECTOR_DECAY_ZOO = ["rwkv6", "hgrn2", "rwkv7"]  # those of a decay per state element
 TOL = 2e-5
 # On CUDA the products run in TF32 (a 10-bit mantissa), ours and MLX's matmuls of the VJP alike:
 # an H100 measured up to 3e-4 on outputs and 5.6e-3 on a gradient that sums many products
@@ -379,17 +380,76 @@ def test_the_kernels_read_factors_where_they_lie(states_path):
         assert g.shape == x.shape and mx.array_equal(g, h).item()
 
 
-def test_vector_decays_stay_in_mlx_ops(kernel_calls):
-    """SSD's decay varies over the state axis: its chunk products stay MLX ops on every
-    backend (same numbers as backend='mlx')."""
+@pytest.fixture
+def decay_score_calls(monkeypatch):
+    """Counts the decay-score kernels built for a call (chunk, state size), so a test knows a
+    decay per state element ran in them; the matrix kernels on for every backend."""
+    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "1")
+    calls = []
+    method = mk.MatrixKernels.decay_scores
+
+    def counted(self, C, K):
+        calls.append((C, K))
+        return method(self, C, K)
+
+    monkeypatch.setattr(mk.MatrixKernels, "decay_scores", counted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("seg", [8, 16])  # L = 11: a partial last chunk; one short chunk
+@pytest.mark.parametrize("name", VECTOR_DECAY_ZOO)
+def test_vector_decays_in_the_decay_score_kernels(name, seg, backend, decay_score_calls):
+    """A decay per state element (RWKV-6, HGRN2 with gates of both signs, RWKV-7's delta rule):
+    the chunks' causal weights in the decay-score kernels, the rest in MLX ops."""
+    mx.random.seed(sum(map(ord, name)) + seg)
+    inputs, states = _draw(name)
+    _assert_matches(_run(name, backend, seg), lambda i, s: _reference(name, i, s), inputs,
+                    states, tol=_tol(backend))
+    assert {C for C, _ in decay_score_calls} == {min(seg, 16)}  # L = 11: a chunk of 11 in 16
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("L, seg, decay", [(150, 64, (0.05, 0.6)), (70, 32, (0.05, 0.6)),
+                                           (100, 48, (2.0, 8.0)), (40, 16, (2.0, 8.0))],
+                         ids=["64", "32", "48-strong", "16-strong"])
+def test_ssd_over_several_chunks(L, seg, decay, backend, decay_score_calls):
+    """SSD's ``exp(dt A[n])`` over chunks of 16 to 64 steps with a state of 20 elements (no
+    multiple of the kernels' tiles of the state axis). The strong decays (``dt A`` down to -40
+    a step) take a chunk's running sums of ``log d`` far below fp32's range of ``exp``: the
+    weights must go through the pivots, as ``exp(Λ_t)`` and ``exp(-Λ_j)`` apart would overflow."""
+    mx.random.seed(L)
+    b, H, P, N = 2, 2, 3, 20
+    inputs = [mx.random.normal((b, L, H, P)), mx.random.uniform(*decay, (b, L, H)),
+              0.5 * mx.random.normal((b, L, H, N)), 0.5 * mx.random.normal((b, L, H, N)),
+              -mx.exp(0.5 * mx.random.normal((H, N)))]
+    h0 = 0.5 * mx.random.normal((b, H, P, N))
+    rec = rg.load_spec("ssd")
+
+    def run(i, s):
+        y, h = rec(*i, initial_state=s[0], return_state=True, backend=backend,
+                   schedule="matrix", seg=seg)
+        return [y], [h]
+
+    def ref(i, s):
+        y, h = ssd_ref(*i, h0=s[0])
+        return [y], [h]
+
+    _assert_matches(run, ref, inputs, [h0], tol=_tol(backend))
+    assert set(decay_score_calls) == {(seg, N)}
+
+
+def test_chunks_the_decay_score_kernels_do_not_take_stay_in_mlx_ops(decay_score_calls):
+    """A chunk of 72 steps, longer than the kernels' 64: MLX ops, the same numbers as
+    backend='mlx'."""
     mx.random.seed(6)
     rec = rg.load_spec("ssd")
-    inputs = [mx.random.normal((1, 20, 2, 4)), mx.random.uniform(0.05, 0.5, (1, 20, 2)),
-              mx.random.normal((1, 20, 2, 8)), mx.random.normal((1, 20, 2, 8)),
+    inputs = [mx.random.normal((1, 80, 2, 4)), mx.random.uniform(0.05, 0.5, (1, 80, 2)),
+              mx.random.normal((1, 80, 2, 8)), mx.random.normal((1, 80, 2, 8)),
               -mx.exp(mx.random.normal((2, 8)))]
-    a = rec(*inputs, backend="metal-sim", schedule="matrix")
-    b = rec(*inputs, backend="mlx", schedule="matrix")
-    assert mx.array_equal(a, b).item() and not kernel_calls
+    a = rec(*inputs, backend="metal-sim", schedule="matrix", seg=72)
+    b = rec(*inputs, backend="mlx", schedule="matrix", seg=72)
+    assert mx.array_equal(a, b).item() and not decay_score_calls
 
 
 def test_the_switch(monkeypatch, kernel_calls):

@@ -42,11 +42,13 @@ import mlx.core as mx
 from ..function import first_order_only, opaque
 from ..memo import LRU
 from ..render.dialects import DIALECTS
-from ..render.matrix import (THREADS, WALK_KINDS, MatrixKernelShape, MatrixRenderer,
-                             gradient_tiles, group_threads, state_tiles, tiles, walk_tiles)
+from ..render.matrix import (DECAY_SCORE_KINDS, THREADS, WALK_KINDS, MatrixKernelShape,
+                             MatrixRenderer, decay_score_threads, decay_score_tile,
+                             decay_scores_text, gradient_tiles, group_threads, state_tiles,
+                             tiles, walk_tiles)
 from ..render.names import kernel_name
 from .kernels import kernel_factory
-from .matrix_chunks import MatrixChunks, carry, causal_weights, parity
+from .matrix_chunks import MatrixChunks, carry, causal, causal_weights, parity
 
 # Whether MatrixForm runs the kernels by default, per backend: on Metal (what the simulator
 # verifies is what a Mac runs) and on CUDA, where on an H100 they beat the same form on MLX's
@@ -291,6 +293,73 @@ class MatrixKernels:
             output_shapes=[cc.shape, cc.shape, W_dy.shape, (*lead, 1), (*lead, 1)],
             output_dtypes=[mx.float32] * 5)
 
+    # -- the scores under a decay per state element ---------------------------------------------
+    def decay_scores_fit(self, C: int) -> bool:
+        """Whether the decay-score kernels take chunks of ``C`` steps (a multiple of 8 whose
+        adjoint's group memory the target gives)."""
+        return C <= MAX_CHUNK and decay_score_tile(C, self.dialect) is not None
+
+    def decay_scores(self, C: int, K: int):
+        """``(c, a, row_log, col_log) -> W``, all ``(R, C, K)`` chunks of rows (fp32), ``W``
+        ``(R, C, C)`` with ``W[t, j] = Σ_k c[t, k] a[j, k] exp(row_log[t, k] - col_log[j, k])``
+        for ``j < t`` and 0 else, as an MLX custom function: its VJP is the adjoint kernel's
+        (``dc``, ``da``, ``c ⊙ dc``, ``-a ⊙ da``), its forward-mode rule the same sum in MLX
+        ops (``decay_scores_in_ops``). Products in exact fp32 on the scalar units."""
+        return self._cores.get_or_build(("decay_scores", C, K),
+                                        lambda: self._build_decay_scores(C, K))
+
+    @staticmethod
+    def _decay_text(dialect, kind, C, K):
+        """(name, input names, output names, body, header) of a decay-score kernel."""
+        header, body = decay_scores_text(dialect, kind, C, K)
+        adjoint = kind == "decay_scores_adjoint"
+        ins = ["c", "a", "row_log", "col_log", *(["d_scores"] if adjoint else [])]
+        outs = ["dc", "da", "d_row_log", "d_col_log"] if adjoint else ["scores"]
+        return kernel_name("matrix", kind, header, body, ins, outs), ins, outs, body, header
+
+    def _decay_kernel(self, kind, C, K):
+        def build():
+            if self._factory is None:
+                self._factory = kernel_factory(self.backend)
+            name, ins, outs, body, header = self._decay_text(self.dialect, kind, C, K)
+            return self._factory(name=name, input_names=ins, output_names=outs, source=body,
+                                 header=header, ensure_row_contiguous=True)
+
+        return self._kernels.get_or_build((("decay", C, K), kind), build)
+
+    def _build_decay_scores(self, C, K):
+        KB = decay_score_tile(C, self.dialect)
+
+        def launch(kind, arrays, groups, outputs):
+            threads = decay_score_threads(kind, C, KB)
+            return self._decay_kernel(kind, C, K)(
+                inputs=arrays, grid=(groups * threads, 1, 1), threadgroup=(threads, 1, 1),
+                output_shapes=outputs, output_dtypes=[mx.float32] * len(outputs))
+
+        @mx.custom_function
+        def scores(c, a, row_log, col_log):
+            arrays = opaque([c, a, row_log, col_log], self.backend)
+            R = c.shape[0]
+            return launch("decay_scores", arrays, R, [(R, C, C)])[0]
+
+        def backward(c, a, row_log, col_log, d_scores):
+            R = c.shape[0]
+            return tuple(launch("decay_scores_adjoint", [c, a, row_log, col_log, d_scores],
+                                R * -(-K // KB), [c.shape] * 4))
+
+        backward = first_order_only(backward, self.backend)
+
+        @scores.vjp
+        def scores_vjp(primals, cotangent, _):
+            return backward(*primals, cotangent)
+
+        @scores.jvp
+        def scores_jvp(primals, tangents):
+            tangents = [mx.zeros_like(p) if t is None else t for p, t in zip(primals, tangents)]
+            return mx.jvp(decay_scores_in_ops, list(primals), tangents)[1]
+
+        return scores
+
     # -- the custom function ---------------------------------------------------------------------
     def core(self, shape):
         """``(c, a, b, log_d, sign, S0) -> (y, S_final, S_start)`` with its VJP (module
@@ -403,6 +472,14 @@ def core_in_ops(shape, c, a, b, log_d, sign, init):
     return chunks.join(y), last, starts
 
 
+def decay_scores_in_ops(c, a, row_log, col_log):
+    """What the decay-score kernels compute (``MatrixKernels.decay_scores``), in MLX ops with
+    ``[C, C, K]`` exponents: their forward-mode rule differentiates it."""
+    mask = causal(c.shape[-2])[..., None]
+    exponent = mx.where(mask, row_log[..., :, None, :] - col_log[..., None, :, :], -mx.inf)
+    return mx.sum(c[..., :, None, :] * a[..., None, :, :] * mx.exp(exponent), axis=-1)
+
+
 def _tile_count(K, V, tiles):
     """How many ``(K tile, V tile)`` tiles cover a ``K x V`` state."""
     return -(-K // tiles[0]) * -(-V // tiles[1])
@@ -451,15 +528,22 @@ def _chunk_signs(shape, chunks, sign):
 
 def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False,
                   signed=False, units=None, diagonal=False) -> str:
-    """The full text of a matrix kernel (``KERNELS``) as ``backend`` compiles it, MLX's
-    generated signature included, for a state of ``state_size`` x ``lanes``; ``units``: the
-    products on the matrix units, or exact on the scalar units (None: as a call would)."""
+    """The full text of a matrix kernel (``KERNELS``, or a decay-score kernel,
+    ``DECAY_SCORE_KINDS``) as ``backend`` compiles it, MLX's generated signature included, for
+    a state of ``state_size`` x ``lanes``; ``units``: the products on the matrix units, or exact
+    on the scalar units (None: as a call would)."""
     from .mlx_source import cuda_source, metal_source
     from .kernels import _ArrayInfo
 
     if backend not in ("metal", "cuda", "metal-sim"):
         raise ValueError(f"backend must be 'metal', 'metal-sim' or 'cuda', got {backend!r}")
+    build = cuda_source if backend == "cuda" else metal_source
     kernels = MatrixKernels(backend)
+    if kind in DECAY_SCORE_KINDS:  # chunks of a multiple of 8 steps
+        name, ins, outs, body, header = MatrixKernels._decay_text(
+            kernels.dialect, kind, -(-seg // 8) * 8, state_size)
+        infos = [_ArrayInfo(mx.float32, 3) for _ in ins]
+        return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
     shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive, signed, units,
                           diagonal)
     if shape is None:
@@ -470,7 +554,6 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
              **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
                                "starts", "leaving")}}
     infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, ranks.get(n, 3)) for n in ins]
-    build = cuda_source if backend == "cuda" else metal_source
     return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
 
 

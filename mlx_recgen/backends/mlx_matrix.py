@@ -469,7 +469,7 @@ class MatrixForm(SequentialForm):
                     y = mm(c_t * from_start, S_start)
                     for a, _, b in terms:
                         a = a if sign is None else a * sign
-                        y = y + mm(self._scores(c_t, a, log_d, mm), b)
+                        y = y + mm(self._decay_scores(c_t, a, log_d, mm), b)
                     _add_to(readouts, i, y)
                     continue
                 # a scalar decay: its weights are per step (rows t, columns j), out of the
@@ -580,7 +580,7 @@ class MatrixForm(SequentialForm):
 
         def scores(c, a):
             if vector:
-                return self._scores(c, a, log_d, mx.matmul)
+                return self._decay_scores(c, a, log_d, mx.matmul)
             return product(c, mx.swapaxes(a, -1, -2)) * between
 
         def term(a, la):
@@ -618,6 +618,28 @@ class MatrixForm(SequentialForm):
         S_start, S = chunk_chain(P, offset, S0)
         rho = (product(M, S_start) + rho0).reshape(*S_start.shape[:-2], C, R, S_start.shape[-1])
         return S_start, S, {p: rho[..., r, :] for r, (p, _, _) in enumerate(st.low_rank)}, P
+
+    def _decay_scores(self, c, a, log_d, mm):
+        """The causal weights of a decay per state element (``_scores``): in the decay-score
+        kernels where this call runs the matrix kernels and they take its chunk (fp32 sums,
+        no ``[C, C, K]`` array), else in MLX ops."""
+        C, K = c.shape[-2:]
+        padded = -(-C // 8) * 8  # the kernels' chunks: the steps past C add nothing before them
+        if not (self._kernels_on() and self.kernels.decay_scores_fit(padded)):
+            return self._scores(c, a, log_d, mm)
+        shape = mx.broadcast_shapes(c.shape, a.shape, log_d.shape)
+        pad = [(0, 0)] * (len(shape) - 2) + [(0, padded - C), (0, 0)]
+
+        def rows(x):
+            x = mx.broadcast_to(x.astype(mx.float32), shape)
+            return (mx.pad(x, pad) if padded > C else x).reshape(-1, padded, K)
+
+        # exponents from the chunk's start: Σ_{j<s<t} log d_s = row_log[t] - col_log[j]
+        row_log = mx.cumsum(log_d, axis=-2, inclusive=False)
+        col_log = mx.cumsum(log_d, axis=-2)
+        W = self.kernels.decay_scores(padded, K)(rows(c), rows(a), rows(row_log), rows(col_log))
+        W = W.reshape(*shape[:-2], padded, padded)
+        return W[..., :C, :C] if padded > C else W
 
     @staticmethod
     def _scores(c, a, log_d, mm):

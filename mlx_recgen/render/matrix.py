@@ -249,6 +249,51 @@ def gradient_tiles(C: int, K: int, V: int, dialect, signed=False):
     return None
 
 
+# The scores of a chunk under a decay per state element and their adjoint (``decay_scores``):
+# ``W[t, j] = Σ_k c[t, k] a[j, k] exp(row_log[t, k] - col_log[j, k])``, the readouts' and a
+# delta rule's causal weights where the decay varies over the state axis, and so cannot leave
+# the sum over it as a scalar decay's weights do
+DECAY_SCORE_KINDS = ("decay_scores", "decay_scores_adjoint")
+# Their tiles of the state axis, largest first: the adjoint keeps a chunk's [C, C] cotangent in
+# group memory beside four tiles of [C, KB]
+DECAY_SCORE_TILES = (16, 8)
+
+
+def decay_score_tile(C: int, dialect):
+    """The state elements the decay-score kernels take at a time: the first of
+    ``DECAY_SCORE_TILES`` whose adjoint's group memory ``dialect`` declares, or None (they need
+    a chunk that is a multiple of 8: a thread takes two quads of steps)."""
+    if C % 8 or C <= 0:
+        return None
+    for KB in DECAY_SCORE_TILES:
+        if 4 * (C * C + 4 * C * KB) <= dialect.shared_bytes:
+            return KB
+    return None
+
+
+def decay_score_threads(kind: str, C: int, KB: int) -> int:
+    """Threads of a group of a decay-score kernel: the forward's one per 4 x 4 block of the
+    causal triangle (whole simdgroups), the adjoint's one per state element and pair of quads
+    of steps, in each of its two roles."""
+    if kind == "decay_scores":
+        quads = C // 4
+        return -(-quads * (quads + 1) // 2 // 32) * 32
+    return C * KB // 4
+
+
+def decay_scores_text(dialect, kind: str, C: int, K: int) -> tuple:
+    """``(header, body)`` of a decay-score kernel (``DECAY_SCORE_KINDS``) for chunks of ``C``
+    steps and ``K`` state elements."""
+    KB = decay_score_tile(C, dialect)
+    if kind not in DECAY_SCORE_KINDS or KB is None:
+        raise ValueError(f"no {kind!r} kernel for chunks of {C} steps on {dialect.name}")
+    ctx = dict(d=dialect, kind=kind, C=C, K=K, KB=KB, NT=decay_score_threads(kind, C, KB),
+               i64=dialect.int64, products=False, bounds="", adjoint=kind.endswith("adjoint"))
+    env = environment()
+    return (env.get_template("matrix_header.j2").render(**ctx),
+            env.get_template("matrix_decay_scores.j2").render(**ctx))
+
+
 @dataclass(frozen=True)
 class MatrixKernelShape:
     """What a matrix kernel's text depends on: chunk ``C`` (a multiple of 16), state sizes
@@ -375,7 +420,8 @@ class MatrixRenderer:
             **self._context("chunk_gradients"))
 
 
-__all__ = ["GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer",
+__all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer",
            "OUTPUT_THREADS", "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS",
-           "WALK_TILES", "WIDE_KERNELS", "gradient_tiles", "group_arrays", "group_memory",
+           "WALK_TILES", "WIDE_KERNELS", "decay_score_threads", "decay_score_tile",
+           "decay_scores_text", "gradient_tiles", "group_arrays", "group_memory",
            "group_threads", "state_tiles", "tiles", "walk_tiles"]
