@@ -345,7 +345,7 @@ class MatrixKernels:
         def backward(c, a, row_log, col_log, d_scores):
             R = c.shape[0]
             return tuple(launch("decay_scores_adjoint", [c, a, row_log, col_log, d_scores],
-                                R * -(-K // KB), [c.shape] * 4))
+                                R, [c.shape] * 4))
 
         backward = first_order_only(backward, self.backend)
 

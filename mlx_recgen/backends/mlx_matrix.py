@@ -415,7 +415,8 @@ class MatrixForm(SequentialForm):
             log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
             # a scalar decay's causal weights, one [C, C] matrix for every product of the state
             between = None if st.vector_decay else causal_weights(log_d)[..., 0]
-            from_start = mx.exp(mx.cumsum(log_d, axis=-2, inclusive=False))  # |d(1..t-1)|
+            before = mx.cumsum(log_d, axis=-2, inclusive=False)  # log |d(1..t-1)|
+            from_start = mx.exp(before)
             to_end = mx.cumsum(log_d, axis=-2, reverse=True, inclusive=False)  # Σ_{s>j}
             whole = mx.sum(log_d, axis=-2, keepdims=True)
             terms = [(chunks.cut(f[("a", s, None, r)]), self.level[("a", s, None, r)],
@@ -469,7 +470,7 @@ class MatrixForm(SequentialForm):
                     y = mm(c_t * from_start, S_start)
                     for a, _, b in terms:
                         a = a if sign is None else a * sign
-                        y = y + mm(self._decay_scores(c_t, a, log_d, mm), b)
+                        y = y + mm(self._decay_scores(c_t, a, log_d, mm, before), b)
                     _add_to(readouts, i, y)
                     continue
                 # a scalar decay: its weights are per step (rows t, columns j), out of the
@@ -619,10 +620,11 @@ class MatrixForm(SequentialForm):
         rho = (product(M, S_start) + rho0).reshape(*S_start.shape[:-2], C, R, S_start.shape[-1])
         return S_start, S, {p: rho[..., r, :] for r, (p, _, _) in enumerate(st.low_rank)}, P
 
-    def _decay_scores(self, c, a, log_d, mm):
+    def _decay_scores(self, c, a, log_d, mm, before=None):
         """The causal weights of a decay per state element (``_scores``): in the decay-score
         kernels where this call runs the matrix kernels and they take its chunk (fp32 sums,
-        no ``[C, C, K]`` array), else in MLX ops."""
+        no ``[C, C, K]`` array), else in MLX ops. ``before``: ``log_d``'s exclusive running
+        sums within each chunk, where already known."""
         C, K = c.shape[-2:]
         padded = -(-C // 8) * 8  # the kernels' chunks: the steps past C add nothing before them
         if not (self._kernels_on() and self.kernels.decay_scores_fit(padded)):
@@ -635,8 +637,8 @@ class MatrixForm(SequentialForm):
             return (mx.pad(x, pad) if padded > C else x).reshape(-1, padded, K)
 
         # exponents from the chunk's start: Σ_{j<s<t} log d_s = row_log[t] - col_log[j]
-        row_log = mx.cumsum(log_d, axis=-2, inclusive=False)
-        col_log = mx.cumsum(log_d, axis=-2)
+        row_log = mx.cumsum(log_d, axis=-2, inclusive=False) if before is None else before
+        col_log = row_log + log_d
         W = self.kernels.decay_scores(padded, K)(rows(c), rows(a), rows(row_log), rows(col_log))
         W = W.reshape(*shape[:-2], padded, padded)
         return W[..., :C, :C] if padded > C else W

@@ -266,9 +266,18 @@ def decay_score_tile(C: int, dialect):
     if C % 8 or C <= 0:
         return None
     for KB in DECAY_SCORE_TILES:
-        if 4 * (C * C + 4 * C * KB) <= dialect.shared_bytes:
+        if 4 * decay_score_floats("decay_scores_adjoint", C, KB) <= dialect.shared_bytes:
             return KB
     return None
+
+
+def decay_score_floats(kind: str, C: int, KB: int) -> int:
+    """Floats of group memory of a decay-score kernel: six tiles of the chunk's rows (``c``,
+    ``a``, the two running sums, ``x`` and ``y``), padded a float a row against bank conflicts;
+    the adjoint's beside the chunk's cotangent ``[C, C + 1]``."""
+    if kind == "decay_scores":
+        return 6 * KB * (C + 1)
+    return C * (C + 1) + 6 * C * (KB + 1)
 
 
 def decay_score_threads(kind: str, C: int, KB: int) -> int:
@@ -420,8 +429,8 @@ class MatrixRenderer:
             **self._context("chunk_gradients"))
 
 
-__all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "GroupMemory", "MatrixKernelShape", "MatrixRenderer",
-           "OUTPUT_THREADS", "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS",
-           "WALK_TILES", "WIDE_KERNELS", "decay_score_threads", "decay_score_tile",
-           "decay_scores_text", "gradient_tiles", "group_arrays", "group_memory",
-           "group_threads", "state_tiles", "tiles", "walk_tiles"]
+__all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "GroupMemory",
+           "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS", "STATE_TILES", "THREADS",
+           "VECTOR_COPIES", "WALK_KINDS", "WALK_TILES", "WIDE_KERNELS", "decay_score_floats",
+           "decay_score_threads", "decay_score_tile", "decay_scores_text", "gradient_tiles",
+           "group_arrays", "group_memory", "group_threads", "state_tiles", "tiles", "walk_tiles"]
