@@ -572,3 +572,67 @@ def test_the_simulator_runs_uncompiled_where_a_gpu_is_the_default(monkeypatch, k
         _assert_matches(run, lambda i, s: [[x] for x in gla_ref(*i, S0=s[0])], [q, k, v, g],
                         [S0], tol=TOL)
     assert kernel_calls
+
+
+def _naive_decay_scores(c, a, row_log, col_log, dW=None, tangents=None):
+    """``W[t, j] = Σ_k c[t, k] a[j, k] exp(row_log[t, k] - col_log[j, k])`` for ``j < t``, by
+    loops over the pairs in float64 numpy: the kernels' definition, apart from their code; with
+    the cotangent ``dW``, the four gradients, with ``tangents``, W's tangent, each term
+    differentiated by hand."""
+    import numpy as np
+
+    c, a, row_log, col_log = (np.asarray(x, dtype=np.float64) for x in (c, a, row_log, col_log))
+    R, C, _ = c.shape
+    W, grads = np.zeros((R, C, C)), [np.zeros_like(c) for _ in range(4)]
+    for t in range(C):
+        for j in range(t):
+            term = c[:, t] * a[:, j] * np.exp(row_log[:, t] - col_log[:, j])  # (R, K)
+            W[:, t, j] = np.sum(term, -1)
+            if dW is not None:
+                g = dW[:, t, j, None] * term
+                grads[0][:, t] += g / np.where(c[:, t] == 0, 1, c[:, t])
+                grads[1][:, j] += g / np.where(a[:, j] == 0, 1, a[:, j])
+                grads[2][:, t] += g
+                grads[3][:, j] -= g
+            if tangents is not None:
+                uc, ua, ur, ul = (x.astype(np.float64) for x in tangents)
+                W[:, t, j] = np.sum(term * (uc[:, t] / c[:, t] + ua[:, j] / a[:, j]
+                                            + ur[:, t] - ul[:, j]), -1)
+    return grads if dW is not None else W
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("C, K, scale", [(64, 64, 0.5), (8, 3, 0.5), (40, 20, 0.5),
+                                         (32, 17, 30.0)],
+                         ids=["64x64", "8x3", "40x20", "32x17-strong"])
+def test_decay_score_kernels_alone(C, K, scale, backend):
+    """The decay-score kernels, their VJP and their JVP against their definition summed pair
+    by pair in float64: chunks of 8 to 64 steps, state sizes that are no multiple of the
+    kernels' tiles, and decays of up to -90 a step (``scale`` 30), whose running sums leave
+    fp32's range of ``exp`` within a chunk: only the kernels' ranges through the quads keep
+    each factor finite."""
+    import numpy as np
+
+    rng = np.random.default_rng(C + K)
+    R = 3
+    c, a = (rng.standard_normal((R, C, K)).astype(np.float32) for _ in range(2))
+    log_d = -scale * rng.uniform(0.0, 3.0, (R, C, K)).astype(np.float32)
+    col_log = np.cumsum(log_d, axis=1, dtype=np.float32)
+    row_log = col_log - log_d
+    kernels = mk.MatrixKernels(backend)
+    assert kernels.decay_scores_fit(C)
+    scores = kernels.decay_scores(C, K)
+    xs = (c, a, row_log, col_log)
+    args = [mx.array(x) for x in xs]
+
+    def close(got, want):
+        return np.allclose(np.array(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+    assert close(scores(*args), _naive_decay_scores(*xs))
+    dW = rng.standard_normal((R, C, C)).astype(np.float32)
+    _, grads = mx.vjp(scores, args, [mx.array(dW)])
+    for got, want in zip(grads, _naive_decay_scores(*xs, dW=dW)):
+        assert close(got, want)
+    u = [rng.standard_normal(x.shape).astype(np.float32) for x in xs]
+    _, (tangent,) = mx.jvp(scores, args, [mx.array(x) for x in u])
+    assert close(tangent, _naive_decay_scores(*xs, tangents=u))
