@@ -30,6 +30,10 @@ second derivative and ``mx.vmap`` raise (the kernels have neither).
 
 Kernels are rendered by ``render/matrix.py`` and built once per (shape, flags); the chunk the
 kernels run is the schedule's ``seg`` rounded up to a multiple of 16 and at most 64.
+
+A state whose decay varies over the state axis runs its chunk form in MLX ops
+(``mlx_matrix.py``) but for its causal weighted scores, which ``decay_scores`` forms in a kernel
+with its own VJP (docs/matrix.md, "A decay per state element").
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ chunk_gradients  one threadgroup per (instance, chunk): all of the above for the
          one kernel, the scores, their weights and every product in group memory
          (``gradient_tiles``; where that memory is not given, the three kernels above and MLX's
          matmuls between them).
+decay_scores  for a decay per state element, which cannot leave the sum over the state axis
+         (``decay_scores_text``): one threadgroup per chunk forms its causal weighted scores
+         ``W[t, j] = Σ_k c[t, k] a[j, k] exp(row_log[t, k] - col_log[j, k])``, a thread per
+         4 x 4 block; ``decay_scores_adjoint`` takes ``dW`` back onto ``c``, ``a`` and the two
+         running sums. The chunk products around them stay MLX's.
 
 ``Λ`` is the running sum of ``log d`` within the chunk and ``R_t`` the exponent of readout
 ``t``: ``Λ_t - log d_t`` (the readout of the state before step ``t``), or ``Λ_t`` for a readout
