@@ -337,12 +337,16 @@ def run_case(name, shape, with_loop, dtype, reps, rng, wanted=("sequential", "ch
     schedules = [s for s in schedules if s in wanted]
     if with_loop and dtype == "float32" and "loop" in wanted:
         schedules.append("loop")
-    base = None
+    base = first = None  # the sequential schedule's outputs, and our first run's (the peers')
     for sch in schedules:
         try:
             r = ours(rec, xs, w, mdt, sch, reps)
-            base = r["y"] if base is None else base
-            r["err_vs_sequential"] = rel(r.pop("y"), base)
+            # the sequential schedule, where this call runs it (first), is the reference; else
+            # there is none (None, not a zero against itself)
+            base = r["y"] if sch == "sequential" else base
+            y = r.pop("y")
+            first = y if first is None else first
+            r["err_vs_sequential"] = None if base is None else rel(y, base)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             r = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -352,7 +356,7 @@ def run_case(name, shape, with_loop, dtype, reps, rng, wanted=("sequential", "ch
     for peer in [p for p in PEERS[name] if peers is None or p in peers]:
         try:
             r = peers_run(peer, name, xs, w, dtype, reps)
-            r["err_vs_ours"] = rel(r.pop("y"), base) if base is not None else None
+            r["err_vs_ours"] = rel(r.pop("y"), first) if first is not None else None
         except Exception as exc:  # noqa: BLE001
             r = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
         row["runs"][peer] = r
