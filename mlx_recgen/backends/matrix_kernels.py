@@ -47,9 +47,9 @@ from ..function import first_order_only, opaque
 from ..memo import LRU
 from ..render.dialects import DIALECTS
 from ..render.matrix import (DECAY_SCORE_KINDS, THREADS, WALK_KINDS, MatrixKernelShape,
-                             MatrixRenderer, decay_score_threads, decay_score_tile,
-                             decay_scores_text, gradient_tiles, group_threads, state_tiles,
-                             tiles, walk_tiles)
+                             MatrixRenderer, decay_score_chunk, decay_score_threads,
+                             decay_score_tile, decay_scores_text, gradient_tiles, group_threads,
+                             state_tiles, tiles, walk_tiles)
 from ..render.names import kernel_name
 from .kernels import kernel_factory
 from .matrix_chunks import MatrixChunks, carry, causal, causal_weights, parity
@@ -175,18 +175,22 @@ class MatrixKernels:
         header = r.header(kind)
         return kernel_name("matrix", kind, header, body, ins, outs), ins, outs, body, header
 
+    def _make(self, text, **launch):
+        """A kernel of the backend from its ``(name, inputs, outputs, body, header)``."""
+        if self._factory is None:
+            self._factory = kernel_factory(self.backend)
+        name, ins, outs, body, header = text
+        return self._factory(name=name, input_names=ins, output_names=outs, source=body,
+                             header=header, **launch)
+
     def _kernel(self, shape, kind):
         def build():
-            if self._factory is None:
-                self._factory = kernel_factory(self.backend)
-            name, ins, outs, body, header = self._text(self.dialect, shape, kind)
             memory = MatrixRenderer(self.dialect, shape).memory(kind)
             # group memory beyond the declared arrays' limit is sized at launch (CUDA's dynamic
             # shared memory)
             launch = {"shared_memory": memory.bytes} if memory.dynamic else {}
-            return self._factory(name=name, input_names=ins, output_names=outs, source=body,
-                                 header=header, ensure_row_contiguous=kind not in STRIDED,
-                                 **launch)
+            return self._make(self._text(self.dialect, shape, kind),
+                              ensure_row_contiguous=kind not in STRIDED, **launch)
 
         return self._kernels.get_or_build((shape, kind), build)
 
@@ -322,14 +326,10 @@ class MatrixKernels:
         return kernel_name("matrix", kind, header, body, ins, outs), ins, outs, body, header
 
     def _decay_kernel(self, kind, C, K):
-        def build():
-            if self._factory is None:
-                self._factory = kernel_factory(self.backend)
-            name, ins, outs, body, header = self._decay_text(self.dialect, kind, C, K)
-            return self._factory(name=name, input_names=ins, output_names=outs, source=body,
-                                 header=header, ensure_row_contiguous=True)
-
-        return self._kernels.get_or_build((("decay", C, K), kind), build)
+        return self._kernels.get_or_build(
+            (("decay", C, K), kind),
+            lambda: self._make(self._decay_text(self.dialect, kind, C, K),
+                               ensure_row_contiguous=True))
 
     def _build_decay_scores(self, C, K):
         KB = decay_score_tile(C, self.dialect)
@@ -543,9 +543,9 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
         raise ValueError(f"backend must be 'metal', 'metal-sim' or 'cuda', got {backend!r}")
     build = cuda_source if backend == "cuda" else metal_source
     kernels = MatrixKernels(backend)
-    if kind in DECAY_SCORE_KINDS:  # chunks of a multiple of 8 steps
+    if kind in DECAY_SCORE_KINDS:
         name, ins, outs, body, header = MatrixKernels._decay_text(
-            kernels.dialect, kind, -(-seg // 8) * 8, state_size)
+            kernels.dialect, kind, decay_score_chunk(seg), state_size)
         infos = [_ArrayInfo(mx.float32, 3) for _ in ins]
         return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
     shape = kernels.shape(kernel_chunk(seg), state_size, lanes, inclusive, signed, units,

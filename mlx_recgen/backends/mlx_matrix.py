@@ -45,6 +45,7 @@ from ..function import COMPILED_BACKENDS
 from ..ir import Accumulate, Loop, Program, Store
 from ..layout import expand_groups, expanded, from_canonical, to_canonical
 from ..memo import LRU
+from ..render.matrix import decay_score_chunk
 from ..render.mlx_ops import render_mlx
 from ..spec import Slot
 from .matrix_chunks import MatrixChunks, carry, causal_weights, parity, product, sign_of
@@ -626,7 +627,7 @@ class MatrixForm(SequentialForm):
         no ``[C, C, K]`` array), else in MLX ops. ``before``: ``log_d``'s exclusive running
         sums within each chunk, where already known."""
         C, K = c.shape[-2:]
-        padded = -(-C // 8) * 8  # the kernels' chunks: the steps past C add nothing before them
+        padded = decay_score_chunk(C)
         if not (self._kernels_on() and self.kernels.decay_scores_fit(padded)):
             return self._scores(c, a, log_d, mm)
         shape = mx.broadcast_shapes(c.shape, a.shape, log_d.shape)

@@ -264,6 +264,12 @@ DECAY_SCORE_KINDS = ("decay_scores", "decay_scores_adjoint")
 DECAY_SCORE_TILES = (16, 8)
 
 
+def decay_score_chunk(C: int) -> int:
+    """The chunk the decay-score kernels run for ``C`` steps: the next multiple of 8 (a thread
+    takes two quads of steps); the steps past ``C`` add nothing to the weights before them."""
+    return -(-C // 8) * 8
+
+
 def decay_score_tile(C: int, dialect):
     """The state elements the decay-score kernels take at a time: the first of
     ``DECAY_SCORE_TILES`` whose adjoint's group memory ``dialect`` declares, or None (they need
@@ -436,6 +442,7 @@ class MatrixRenderer:
 
 __all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "GroupMemory",
            "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS", "STATE_TILES", "THREADS",
-           "VECTOR_COPIES", "WALK_KINDS", "WALK_TILES", "WIDE_KERNELS", "decay_score_floats",
-           "decay_score_threads", "decay_score_tile", "decay_scores_text", "gradient_tiles",
-           "group_arrays", "group_memory", "group_threads", "state_tiles", "tiles", "walk_tiles"]
+           "VECTOR_COPIES", "WALK_KINDS", "WALK_TILES", "WIDE_KERNELS", "decay_score_chunk",
+           "decay_score_floats", "decay_score_threads", "decay_score_tile", "decay_scores_text",
+           "gradient_tiles", "group_arrays", "group_memory", "group_threads", "state_tiles",
+           "tiles", "walk_tiles"]
