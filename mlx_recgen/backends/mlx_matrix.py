@@ -43,7 +43,7 @@ import sympy
 
 from ..function import COMPILED_BACKENDS
 from ..ir import Accumulate, Loop, Program, Store
-from ..layout import expand_groups, expanded, from_canonical, to_canonical
+from ..layout import expand_groups, expanded, from_canonical, spread, to_canonical
 from ..memo import LRU
 from ..render.matrix import decay_score_chunk
 from ..render.mlx_ops import render_mlx
@@ -328,9 +328,19 @@ class MatrixForm(SequentialForm):
         one), for the factors evaluated per group."""
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
         out, grouped = {}, {}
+        # a parameter spread over time and the batch axes no group touches, so that its
+        # gradient is summed in stages (``layout.spread``); a grouped axis keeps its size 1, as
+        # the factors evaluated per group read the same arrays
+        grouping = set(spec.groups) | set(spec.groups.values())
+        over = [1 if a in grouping else sizes[a] for a in spec.batch_axes] + [sizes[spec.time]]
+
+        def parameter(part):
+            part = _as_fp32(mx.expand_dims(part, nb))
+            return spread(part, (*(n if m == 1 else m for n, m in zip(over, part.shape)),
+                                 *part.shape[nb + 1:]))
 
         def parts(t, x):
-            return {(t.name, c): _as_fp32(part if t.has_time else mx.expand_dims(part, nb))
+            return {(t.name, c): _as_fp32(part) if t.has_time else parameter(part)
                     for c, part in enumerate(to_canonical(spec, expanded(spec, t), x))}
 
         for t, x in zip(spec.inputs.values(), inputs):
