@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import mlx.core as mx
 
@@ -89,8 +90,8 @@ def _stage(shape: tuple, axes: list):
     """``(axis, outer)``: split reduced ``axis`` into ``(outer, rest)`` and sum ``rest`` first, so
     the first sum has ``outer`` times as many outputs; None where one sum serves (few elements,
     or outputs enough already)."""
-    size = functools.reduce(lambda m, n: m * n, shape, 1)
-    kept = size // max(1, functools.reduce(lambda m, i: m * shape[i], axes, 1))
+    size = math.prod(shape)
+    kept = size // max(1, math.prod(shape[i] for i in axes))
     if size < STAGED_MIN_SIZE or kept >= STAGED_OUTPUTS:
         return None
     want = -(-STAGED_OUTPUTS // kept)
