@@ -59,12 +59,10 @@ def main(args):
 
 
 if __name__ == "__main__":
+    from profile_calls import call_arguments
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("spec", nargs="?", default="ssd")
-    p.add_argument("--shape", nargs="+", default=["B=8", "L=4096", "H=16", "P=64", "N=64"])
-    p.add_argument("--schedule", default="matrix")
-    p.add_argument("--backend", default="cuda")
-    p.add_argument("--dtype", default="float32")
+    call_arguments(p, "ssd", ("B=8", "L=4096", "H=16", "P=64", "N=64"))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--plain-broadcast", action="store_true")
     main(p.parse_args())

@@ -76,13 +76,18 @@ def split(path, top):
             print(f"{us:9.1f} us {count:3d}x  {name}")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("spec", nargs="?", default="gla")
-    p.add_argument("--shape", nargs="+", default=["B=8", "L=4096", "H=16", "K=64", "V=64"])
+def call_arguments(p, spec="gla", shape=("B=8", "L=4096", "H=16", "K=64", "V=64")):
+    """The options that pick a call: the spec, its shape, schedule, backend and dtype."""
+    p.add_argument("spec", nargs="?", default=spec)
+    p.add_argument("--shape", nargs="+", default=list(shape))
     p.add_argument("--schedule", default="matrix")
     p.add_argument("--backend", default="cuda")
     p.add_argument("--dtype", default="float32")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    call_arguments(p)
     p.add_argument("--warmups", type=int, default=2)
     p.add_argument("--split", metavar="CSV", help="sum the kernels of ncu's CSV by phase")
     p.add_argument("--top", type=int, default=25, help="kernels listed per phase")
