@@ -132,6 +132,9 @@ class Schedule:
     parts: int = 1  # PARTS: threads per lane, each holding NS / PARTS of the state (split)
     lane_block: int = 32  # LB: lanes of a threadgroup (scan; ``seg`` is then its stretch)
     run: int = 1  # RUN: consecutive steps of one thread (scan)
+    # WINDOW (scan, forward): a group per stretch, the state entering it from the groups of
+    # the stretches before it (the look-back over WINDOW stretches); 0: a group walks all
+    lookback: int = 0
 
     @property
     def time_threads(self) -> int:
@@ -161,7 +164,7 @@ class Schedule:
     def template(self):
         if self.kind == "scan":
             return [("STRETCH", self.seg), ("TG", self.threads), ("LB", self.lane_block),
-                    ("RUN", self.run)]
+                    ("RUN", self.run), *([("WINDOW", self.lookback)] if self.lookback else [])]
         return [("NS", self.state_size), ("SEG", self.seg), ("TG", self.threads),
                 ("TILE", self.stage_steps), ("LC", self.lane_chunk), ("PARTS", self.parts)]
 
@@ -331,6 +334,13 @@ SCAN_MIN_LANE_BLOCK = 8
 # slower than runs of 8: RG-LRU B8 D1024 L4096 fp32 forward 221 against 152 us).
 SCAN_RUN_FLOATS = 64
 SCAN_MAX_RUN = 8
+# The look-back (forward; targets with ordered flags between groups, ``Dialect.lookback``): a
+# group per stretch where the lane blocks alone give fewer than SCAN_LOOKBACK_THREADS threads,
+# the GPU then mostly idle (RG-LRU B3 D768 L2048: 288 groups of 128). A stretch starts from
+# the end state of the stretch SCAN_WINDOW before it, published by its group, and the maps of
+# the stretches between: the chain of waits is segments / SCAN_WINDOW long.
+SCAN_LOOKBACK_THREADS = 1 << 16
+SCAN_WINDOW = 8
 SCAN_MAX_BLOCK = 4  # the largest multiplier block (K x K) the scan composes
 
 
@@ -389,13 +399,16 @@ def scan_map_floats(form) -> int:
 
 
 def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
-                       max_threads: int = MAX_THREADS, map_floats: int = 2) -> Schedule:
+                       max_threads: int = MAX_THREADS, map_floats: int = 2,
+                       lookback: bool = False) -> Schedule:
     """The scan schedule of a call: ``run`` steps per thread, ``threads`` per group (chosen:
     ``SCAN_THREADS``, at most ``max_threads``, halved (to ``SCAN_MIN_THREADS``) where that
     brings the call's threads within ``SCAN_TARGET_THREADS``, and until the two buffers of
     simdgroup totals, ``2 x TG / 32 x map_floats x LB`` floats, fit in threadgroup memory),
     lane blocks narrowed as ``SCAN_TARGET_GROUPS`` asks; ``seg`` is the stretch
-    ``threads / LB * run``."""
+    ``threads / LB * run``. Where the target has the look-back (``lookback``), the forward
+    takes a group per stretch when the lane blocks' threads are fewer than
+    ``SCAN_LOOKBACK_THREADS`` and there are several stretches (``Schedule.lookback``)."""
     if threads is None:
         tg = min(SCAN_THREADS, max_threads)
     elif not isinstance(threads, int) or threads < 32 or threads % 32 or threads > MAX_THREADS:
@@ -420,9 +433,14 @@ def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
                              f"bytes of threadgroup memory for the scan's totals ({map_floats} "
                              "floats per map); pass a smaller threads=")
         tg //= 2
-    return Schedule(seg=tg // block * run, threads=tg,
+    stretch = tg // block * run
+    several = sizes[spec.time] > stretch
+    window = max(SCAN_WINDOW, 2) if lookback and several and groups * tg < SCAN_LOOKBACK_THREADS \
+        else 0  # at least 2: the stretches between are WINDOW - 1 registers of maps
+    return Schedule(seg=stretch, threads=tg,
                     groups_per_instance=-(-sizes[spec.lane] // block), lane_reduction=False,
-                    history="registers", state_size=1, kind="scan", lane_block=block, run=run)
+                    history="registers", state_size=1, kind="scan", lane_block=block, run=run,
+                    lookback=window)
 
 
 def _lane_width(spec: Spec, sizes: dict) -> int:

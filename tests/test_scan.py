@@ -21,6 +21,9 @@ import pytest
 import mlx_recgen as rg
 from conftest import KERNEL_BACKENDS, rel_err
 from references import REFERENCES, ZOO_REFERENCES
+import mlx_recgen.schedule as schedule_module
+from mlx_recgen.backends.kernels import kernel_source
+from mlx_recgen.function import Recurrence
 from mlx_recgen.schedule import SCHEDULES, choose, make_scan_schedule, scan_misfit, scan_run
 
 SCAN_SPECS = ["rglru", "rotlru", "mingru", "complex_lru"]
@@ -50,8 +53,8 @@ def _reference(name):
     return lambda *args: ref(*args[:-1], args[-1])
 
 
-def _compiled(name, backend, **call):
-    rec = rg.load_spec(name)
+def _compiled(name, backend, rec=None, **call):
+    rec = rec or rg.load_spec(name)
 
     def run(*args):
         return rec(*args[:-1], initial_state=args[-1], return_state=True, backend=backend,
@@ -70,10 +73,11 @@ def _values_and_grads(fn, args, weights):
     return [y, h, *grads]
 
 
-def compare(name, backend, L, dtype=mx.float32, lanes=5, **call):
+def compare(name, backend, L, dtype=mx.float32, lanes=5, rec=None, **call):
     """Relative errors against the reference: output, final state, then the gradients of the
     inputs and of the initial state. With ``dtype``, the inputs are cast to it and the
-    reference runs in float32 on the cast values."""
+    reference runs in float32 on the cast values; ``rec``: the recurrence to call (else the
+    bundled spec's)."""
     mx.random.seed(sum(map(ord, name)) + L)
     inputs, h0 = _draw(name, L, lanes)
     inputs = [x.astype(dtype) for x in inputs]
@@ -81,7 +85,7 @@ def compare(name, backend, L, dtype=mx.float32, lanes=5, **call):
     y, h = _reference(name)(*[x.astype(mx.float32) for x in inputs], h0)
     weights = [mx.random.normal(y.shape), mx.random.normal(h.shape)]
     want = _values_and_grads(_reference(name), [x.astype(mx.float32) for x in args], weights)
-    got = _values_and_grads(_compiled(name, backend, **call), args, weights)
+    got = _values_and_grads(_compiled(name, backend, rec, **call), args, weights)
     labels = ["output", "final state", *rg.load_spec(name).spec.inputs, "initial state"]
     return {label: rel_err(g.astype(mx.float32), w) for label, g, w in zip(labels, got, want)}
 
@@ -234,17 +238,120 @@ def test_scan_totals_fit_in_threadgroup_memory():
         make_scan_schedule(spec, sizes, 16, threads=256, map_floats=20)
 
 
+# -- the look-back (CUDA) ---------------------------------------------------------------------
+# On CUDA the forward takes a group per stretch where the lane blocks leave the GPU mostly idle
+# (``Schedule.lookback``): every case above with several stretches runs it there. These run
+# both forwards on purpose, on a recurrence of their own (its plans and schedules fresh).
+
+CUDA = [p for p in KERNEL_BACKENDS if p.values[0] == "cuda"]
+
+
+@pytest.fixture(params=["look-back", "one group"])
+def cuda_walk(request, monkeypatch):
+    """The CUDA forward with the look-back, and with one group walking all stretches (as on
+    Metal), by the schedule's threshold."""
+    if request.param == "one group":
+        monkeypatch.setattr(schedule_module, "SCAN_LOOKBACK_THREADS", 0)
+    return request.param
+
+
+def _fresh(name):
+    return Recurrence(rg.load_spec(name).spec)
+
+
+def _walk_of(name, L, lanes=5, seg=None, threads=None):
+    """Whether the CUDA forward of that call takes the look-back, and its stretches."""
+    spec = rg.load_spec(name).spec
+    sch = make_scan_schedule(spec, {"B": b, spec.time: L, spec.lane: lanes},
+                             seg or scan_run(spec), threads, max_threads=256, lookback=True)
+    return ("look-back" if sch.lookback else "one group"), -(-L // sch.seg)
+
+
+@pytest.mark.parametrize("backend", CUDA)
+@pytest.mark.parametrize("name", SCAN_SPECS)
+@pytest.mark.parametrize("L, seg, threads", [(37, 2, 64), (300, 2, 64), (211, 1, 32)])
+def test_scan_lookback_matches_reference(backend, name, L, seg, threads, cuda_walk):
+    """Several stretches, more than ``SCAN_WINDOW`` (a stretch then starts from the end state
+    another group published WINDOW stretches before it), the last one partial."""
+    walk, stretches = _walk_of(name, L, seg=seg, threads=threads)
+    assert walk == cuda_walk and stretches > 1
+    errors = compare(name, backend, L, rec=_fresh(name), seg=seg, threads=threads)
+    bad = {k: v for k, v in errors.items() if not v < TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("backend", CUDA)
+@pytest.mark.parametrize("window", [2, 3])
+def test_scan_lookback_short_windows(backend, window, monkeypatch):
+    """Windows of 2 and 3 stretches over 38 stretches: long chains of published end states,
+    each stretch applying one or two maps."""
+    monkeypatch.setattr(schedule_module, "SCAN_WINDOW", window)
+    assert _walk_of("rotlru", 300, seg=1, threads=64) == ("look-back", 38)
+    errors = compare("rotlru", backend, 300, rec=_fresh("rotlru"), seg=1, threads=64)
+    bad = {k: v for k, v in errors.items() if not v < TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_scan_lookback_reruns_are_bit_identical(backend, monkeypatch):
+    """Thousands of groups along time (RG-LRU B3 D768 L2048: 4608) finishing in whatever
+    order: a stretch's entering state does not depend on which have finished, so reruns give
+    the same bits; and they agree with one group walking all stretches."""
+    mx.random.seed(5)
+    B, L, D = 3, 2048, 768
+    a = mx.random.uniform(0.5, 0.999, (B, L, D)) * mx.where(mx.random.uniform(shape=(B, L, D))
+                                                              < 0.5, -1.0, 1.0)
+    x, h0 = mx.random.normal((B, L, D)), mx.random.normal((B, D))
+    spec = rg.load_spec("rglru").spec
+    assert make_scan_schedule(spec, {"B": B, "L": L, "D": D}, scan_run(spec),
+                              max_threads=256, lookback=True).lookback
+    rec = _fresh("rglru")
+    runs = [rec(a, x, initial_state=h0, return_state=True, backend=backend, schedule="scan")
+            for _ in range(4)]
+    mx.eval(runs)
+    for y, h in runs[1:]:
+        assert mx.array_equal(y, runs[0][0]) and mx.array_equal(h, runs[0][1])
+    monkeypatch.setattr(schedule_module, "SCAN_LOOKBACK_THREADS", 0)
+    y, h = _fresh("rglru")(a, x, initial_state=h0, return_state=True, backend=backend,
+                           schedule="scan")
+    assert rel_err(runs[0][0], y) < TOL and rel_err(runs[0][1], h) < TOL
+
+
+def test_lookback_is_taken_where_the_target_has_it():
+    """A group per stretch where the lane blocks' threads are few (B3 D768: 288 groups of
+    128), there are several stretches, and the target has the look-back (CUDA, not Metal: no
+    promise of progress to a group that waits on another); the windows are at least 2."""
+    spec = rg.load_spec("rglru").spec
+    b3 = {"B": 3, "L": 2048, "D": 768}
+    assert make_scan_schedule(spec, b3, 8, lookback=True).lookback == schedule_module.SCAN_WINDOW
+    assert make_scan_schedule(spec, b3, 8).lookback == 0
+    assert make_scan_schedule(spec, {**b3, "L": 128}, 8, lookback=True).lookback == 0
+    assert make_scan_schedule(spec, {"B": 8, "L": 4096, "D": 1024}, 8, lookback=True).lookback == 0
+    assert schedule_module.SCAN_WINDOW >= 2
+    rec = rg.load_spec("rglru")
+    cuda = kernel_source(rec, "forward", "cuda", lanes=768, schedule="scan", length=2048)
+    metal = kernel_source(rec, "forward", "metal", lanes=768, schedule="scan", length=2048)
+    assert "recgen_await_flags<WINDOW>" in cuda and "scan_flags" in cuda
+    assert "scan_flags" not in metal and "WINDOW" not in metal
+    backward = kernel_source(rec, "backward", "cuda", lanes=768, schedule="scan", length=2048)
+    assert "scan_flags" not in backward
+
+
 # -- CUDA text --------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("kernel, length", [("forward", 128), ("forward", 2048),
+                                            ("backward", 128)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_scan_cuda_text_compiles(tmp_path, kernel, dtype):
+def test_scan_cuda_text_compiles(tmp_path, kernel, dtype, length):
     """The scan kernels' CUDA text compiles with nvcc (MLX's device header replaced by the
-    standard and bf16 headers)."""
+    standard and bf16 headers); at 2048 steps of 768 lanes the forward has the look-back."""
     for name in SCAN_SPECS:
-        text = rg.load_spec(name).source(kernel, backend="cuda", schedule="scan", dtype=dtype)
+        text = kernel_source(rg.load_spec(name), kernel, "cuda", dtype, lanes=768,
+                             schedule="scan", length=length)
+        if length == 2048:
+            assert "scan_flags" in text
         text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
                             "#include <cstdint>\n#include <cuda_bf16.h>")
         src = tmp_path / f"{name}_{kernel}.cu"

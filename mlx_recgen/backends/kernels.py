@@ -41,6 +41,7 @@ all lanes in those of its adjoint's shares (the backward's ``_local``, ``_lamend
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -172,11 +173,14 @@ class KernelBackend:
         if schedule.kind == "chunked":
             return self._chunked_buffers(kind)
         if kind == "forward":
+            lookback = schedule.kind == "scan" and schedule.lookback > 0  # ScanPasses.forward
             return _Buffers([*(ids["buffer", t] for t in s.inputs),
-                             *(ids["init", t] for t in s.states), "meta"],
+                             *(ids["init", t] for t in s.states),
+                             *(["scan_flags"] if lookback else []), "meta"],
                             [*(ids["buffer", t] for t in s.outputs),
                              *(ids["final", t] for t in s.states),
-                             *(ids["ckpt", t] for t in s.states)])
+                             *(ids["ckpt", t] for t in s.states),
+                             *(["scan_maps", "scan_ends"] if lookback else [])])
         outs = [*(ids["d", t] for t in _differentiable(s)), *(ids["d_init", t] for t in s.states)]
         if schedule.history == "scratch":
             outs.append("scratch")
@@ -248,7 +252,8 @@ class KernelBackend:
             if kind == "scan":  # seg: the run of one thread
                 return make_scan_schedule(self.rec.spec, sizes, seg, threads,
                                           max_threads=self.dialect.max_threads,
-                                          map_floats=scan_map_floats(self.rec.affine))
+                                          map_floats=scan_map_floats(self.rec.affine),
+                                          lookback=bool(self.dialect.lookback))
             return make_schedule(self.rec.spec, sizes, seg, threads, kind=kind,
                                  max_threads=self.dialect.max_threads, split=split, sweep=sweep)
 
@@ -365,7 +370,7 @@ class KernelBackend:
         results = self.launch(key, sizes, build)([*map(_as_buffer, inputs), *states])
         n_out, n_state = len(spec.outputs), len(spec.states)
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
-                list(results[n_out + n_state:]))
+                list(results[n_out + n_state:n_out + 2 * n_state]))
 
     def backward(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg, threads=None,
                  split=None, schedule="sequential"):
@@ -481,25 +486,39 @@ class ScanPasses:
         return self.backend._schedule(sizes, run, threads, kind="scan")
 
     def forward(self, inputs, states, sizes, run, out_dtype, threads=None):
-        """(outputs, final states, checkpoints)."""
+        """(outputs, final states, checkpoints).
+
+        With the look-back (``Schedule.lookback``) a group takes one stretch (the grid is
+        ``segments`` times the lane blocks) and the kernel also takes the flags, a zero
+        array of the call (a ticket counter, then a word per group), and writes each
+        stretch's map and end state for the groups after it (``scan_maps``, ``scan_ends``:
+        dropped here)."""
         b, spec = self.backend, self.backend.rec.spec
+        sch = self.schedule(sizes, run, threads)
+        segments = -(-sizes[spec.time] // sch.seg)
+        tiles = segments * sch.groups_per_instance * math.prod(sizes[a] for a in spec.batch_axes)
 
         def build():
-            sch = self.schedule(sizes, run, threads)
-            instances, grid, group = b._launch(sizes, sch)
+            instances, grid, group = b._launch(sizes, sch, outer=segments if sch.lookback else 1)
             dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
                       + f" -> {_dtype_name(out_dtype)}")
             shapes, out_dtypes = b._forward_outputs(sizes, sch, instances, out_dtype)
+            if sch.lookback:
+                fields = scan_map_floats(b.rec.affine)
+                slots = sum(t.components for t in spec.states.values())
+                shapes += [(tiles * fields * sch.lane_block,), (tiles * slots * sch.lane_block,)]
+                out_dtypes += [mx.float32, mx.float32]
             template = [*sch.template(), ("OutT", out_dtype),
                         *self.run_template([x.dtype for x in inputs])]
             return _Launch(b.kernel("forward", sch, dtypes), b._meta(sizes, sch), template,
                            grid, group, shapes, out_dtypes)
 
         key = ("scan forward", run, threads, out_dtype, *(x.dtype for x in inputs))
-        results = b.launch(key, sizes, build)([*map(_as_buffer, inputs), *states])
+        flags = [mx.zeros((1 + tiles,), dtype=mx.uint32)] if sch.lookback else []
+        results = b.launch(key, sizes, build)([*map(_as_buffer, inputs), *states, *flags])
         n_out, n_state = len(spec.outputs), len(spec.states)
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
-                list(results[n_out + n_state:]))
+                list(results[n_out + n_state:n_out + 2 * n_state]))
 
     def backward(self, inputs, states, ckpts, d_outputs, d_finals, sizes, run, threads=None):
         """(gradients of the differentiable inputs, gradients of the initial states)."""
@@ -572,12 +591,13 @@ SCAN_KERNELS = ("forward", "backward")
 
 
 def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16, lanes=64,
-                  threads=None, schedule="sequential", split=None):
+                  threads=None, schedule="sequential", split=None, length=128):
     """The full text of a kernel as the backend compiles it (MLX's generated signature included),
     for inputs of ``dtype`` (one dtype, or a dict by input name) and the schedule those sizes
     give. ``kind`` names a kernel of the schedule: ``SEQUENTIAL_KERNELS``, ``CHUNKED_KERNELS`` or
     ``SCAN_KERNELS``; ``seg`` defaults to 32 (the scan: ``scan_run``, its steps per thread).
-    Group axes get size 2 and the axes they group 4."""
+    Group axes get size 2 and the axes they group 4; the time axis ``length`` (the scan's
+    forward on CUDA takes the look-back where that gives several stretches)."""
     from .mlx_source import cuda_source, metal_source
 
     if backend not in ("metal", "cuda", "metal-sim"):
@@ -600,7 +620,7 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16,
     dtype = floats[0] if len(set(floats)) == 1 else mx.float32  # of outputs and cotangents
     sizes = {a: 4 for a in spec.batch_axes}
     sizes.update({g: 2 for g in spec.groups})
-    sizes.update({spec.time: 128, spec.lane: lanes})
+    sizes.update({spec.time: length, spec.lane: lanes})
     if spec.state_axis:
         sizes[spec.state_axis] = state_size
     impl = KernelBackend(rec, backend)
@@ -616,6 +636,8 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16,
     def info(name):  # what MLX sees of each input buffer: dtype and rank
         if name == "meta":
             return _ArrayInfo(mx.int64, 1, len(impl.meta.keys))
+        if name == "scan_flags":
+            return _ArrayInfo(mx.uint32, 1)
         if name in by_name:
             return _input_info(dtypes[by_name[name].name], by_name[name])
         if name in d_outputs:

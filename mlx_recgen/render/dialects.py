@@ -58,6 +58,15 @@ class Dialect:
     # ``{groups}`` groups a core leave (the kernel's signature is the host's, MLX's); "" where
     # the target has no such bound
     launch_bounds: str = ""
+    # the scan's look-back (``Schedule.lookback``): groups that wait on flags other groups
+    # raise, through device memory. recgen_take_ticket(counter): this group's number in the
+    # order groups start; recgen_lanes_publish(n): the first n lanes' writes visible to every
+    # group; recgen_raise_flag(flag, bit); recgen_await_flags<N>(flags, count, stride, bit):
+    # until the first count (<= N) flags, stride apart, have the bit, then what they announce
+    # visible to this thread; recgen_load_published(p): a float another group wrote. "" where
+    # the target promises no progress to a group that waits on another (Metal: then one group
+    # walks all of a lane block's stretches)
+    lookback: str = ""
 
 
 _COMMON_MATH = {
@@ -175,6 +184,45 @@ CUDA = Dialect(
     launch_bounds="""\
 #undef __global__
 #define __global__ __location__(global) __launch_bounds__({threads}, {groups})""",
+    lookback="""\
+// MLX passes every input as const: the flags are a zero array of one call, written only here.
+__device__ inline unsigned recgen_take_ticket(const unsigned* counter) {
+  return atomicAdd(const_cast<unsigned*>(counter), 1u);
+}
+// every writer's stores ordered before the warp barrier, then before the flag (the fence of
+// the lane that raises it orders what the barrier ordered before it)
+__device__ inline void recgen_lanes_publish(int lanes) {
+  __threadfence();
+  __syncwarp(lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u);
+}
+__device__ inline void recgen_raise_flag(const unsigned* flag, unsigned bit) {
+  __threadfence();
+  atomicOr(const_cast<unsigned*>(flag), bit);
+}
+// the flags' loads issued together (unrolled, no test between them): one round trip when up
+template <int N>
+__device__ inline void recgen_await_flags(const unsigned* flags, int count, int64_t stride,
+                                          unsigned bit) {
+  for (;;) {
+    bool up = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (i < count) {
+        up = up & ((*(volatile const unsigned*)(flags + i * stride) & bit) != 0u);
+      }
+    }
+    if (up) {
+      break;
+    }
+    __nanosleep(32);
+  }
+  __threadfence();
+}
+// through L2 (L1 is not coherent between SMs)
+__device__ inline float recgen_load_published(const float* p) {
+  return __ldcg(p);
+}
+""",
     matrix_prelude="""\
 // fp32 -> TF32 (round to nearest, ties away), the operand format of the fp32 tensor-core MMA
 __device__ inline unsigned recgen_tf32(float x) {

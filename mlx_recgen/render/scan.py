@@ -149,9 +149,85 @@ class ScanRenderer(KernelRenderer):
         carry = [f"carry_{k}" for k in range(len(self.slots))]
         start = [f"start_{k}" for k in range(len(self.slots))]
         return dict(index=pass_index, declare=declare, butterfly=butterfly, publish=publish,
-                    starts=start, pairs=list(zip(carry, start)),
+                    starts=start, pairs=list(zip(carry, start)), lookback=[], entered=[],
                     advance=self._apply(shared, carry, carry, hits),
                     enter=self._apply(reg("E"), start, self._registers(), hits))
+
+    def _lookback(self, shared) -> dict:
+        """The forward pass's look-back (``Schedule.lookback``): lines run by one thread per
+        lane (``j == 0``) once the simdgroups' totals (``shared(field, q)``) are in group memory,
+        and the lines after the barrier that follows them.
+
+        The stretch's map ``G`` (the totals composed in time order) goes to ``scan_maps`` for
+        the stretches after it; the state entering the stretch is the end state of stretch
+        ``k - WINDOW`` (``scan_ends``; the initial state where that is before the first) with
+        the maps of the stretches between applied oldest first, so that it does not depend on
+        which groups have finished (reruns are bit-identical). The flags of ``scan_flags`` say
+        what a stretch has published: bit 1 its map, bit 2 its end state."""
+        fields, states = self.fields(), self._states()
+        d, i64 = self.d, self.d.int64
+        reg = lambda prefix: (lambda f: f"{prefix}_{f}")  # noqa: E731
+        identity = {f: ("1.0f" if f.startswith("a") and f[-1] == f[-2] else "0.0f") for f in fields}
+        entering = [f"entering_{k}" for k in range(len(states))]
+        at_map = lambda tile, f: f"scan_maps[(({tile}) * MAPF + {fields.index(f)}) * LB + lb]"  # noqa: E731
+        at_end = lambda tile, k: f"scan_ends[(({tile}) * {len(states)} + {k}) * LB + lb]"  # noqa: E731
+        published = lambda at: f"recgen_load_published(&{at})"  # noqa: E731
+        flag = lambda tile: f"scan_flags + 1 + ({tile})"  # noqa: E731
+
+        def announce(lines, bit):  # after the lanes' writes: one flag for the block of lanes
+            return [*lines, "recgen_lanes_publish(LB);",
+                    f"if (lb == 0) {{ recgen_raise_flag({flag('tile')}, {bit}u); }}"]
+
+        # each earlier map, loaded where stretch q lies in the window (else the identity)
+        window_maps = [f"float M_{f}[WINDOW - 1];" for f in fields]
+        window_maps += [d.unroll, "for (int w = 1; w < WINDOW; ++w) {",
+                        f"  const {i64} q = base + w;", "  const bool in_window = q >= 0 && q < k;"]
+        window_maps += [f"  M_{f}[w - 1] = in_window ? {published(at_map('q * chains + group', f))} "
+                        f": {identity[f]};" for f in fields]
+        window_maps += ["}", d.unroll, "for (int w = 1; w < WINDOW; ++w) {"]
+        window_maps += ["  " + x for x in self._apply(lambda f: f"M_{f}[w - 1]", entering, entering,
+                                                       hits=True)]
+        window_maps += ["}"]
+        lines = [
+            "if (j == 0) {  // one thread per lane: the first LB threads, in the first simdgroup",
+            f"  const {i64} tile = k * chains + group;",
+            "  // this stretch's map: the simdgroups' totals composed in time order",
+            *(f"  float G_{f} = {shared(f, '0')};" for f in fields),
+            "  for (int q = 1; q < SIMDS; ++q) {",
+            *("    " + x for x in self._compose("G", lambda f: shared(f, "q"), reg("G"), hits=True)),
+            "  }",
+            "  if (k + 1 < segments) {  // the stretches after it apply it",
+            *("    " + x for x in announce([f"{at_map('tile', f)} = G_{f};" for f in fields], 1)),
+            "  }",
+            "  // the state entering it: stretch k - WINDOW's end state (or the initial state),",
+            "  // then the maps of the stretches between",
+            f"  const {i64} base = k - WINDOW;",
+            *(f"  float {e} = 0.0f;" for e in entering),
+            "  if (base < 0) {",
+            *(f"    {e} = lane_ok ? static_cast<float>({s['init']}[{s['offset']}]) : 0.0f;"
+              for e, s in zip(entering, states)),
+            "  } else {",
+            f"    recgen_await_flags<1>({flag('base * chains + group')}, 1, 0, 2u);",
+            *(f"    {e} = {published(at_end('base * chains + group', k))};"
+              for k, e in enumerate(entering)),
+            "  }",
+            "  const int first_in_window = base < 0 ? int(-base) : 1;  // w of stretch max(base + 1, 0)",
+            f"  recgen_await_flags<WINDOW>({flag('(base + first_in_window) * chains + group')}, "
+            "int(WINDOW - first_in_window), chains, 1u);",
+            *("  " + x for x in window_maps),
+            *(f"  entering[{k} * LB + lb] = {e};" for k, e in enumerate(entering)),
+            "  if (lane_ok) {  // the checkpoint: the state entering stretch k",
+            *(f"    {s['ckpt_buffer']}[{s['ckpt']}] = {e};" for e, s in zip(entering, states)),
+            "  }",
+            "  if (k + WINDOW < segments) {  // its end state, for stretch k + WINDOW",
+            *("    " + x for x in self._apply(reg("G"), entering, entering, hits=True)),
+            *("    " + x for x in announce([f"{at_end('tile', k)} = {e};"
+                                            for k, e in enumerate(entering)], 2)),
+            "  }",
+            "}",
+        ]
+        entered = [f"carry_{k} = entering[{k} * LB + lb];" for k in range(len(states))]
+        return dict(lookback=lines, entered=entered)
 
     def _registers(self) -> list:
         """The state register of every slot (forward: the state; backward: ``λ``)."""
@@ -241,7 +317,14 @@ class ScanRenderer(KernelRenderer):
 
         ctx = self._context("forward")
         # stretches alternate between two buffers of totals: one barrier per stretch
-        ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, "int(k & 1)", hits=True),
+        forward_pass = self._pass(own, "int(k & 1)", hits=True)
+        if self.schedule.lookback:
+            fields = self.fields()
+            forward_pass.update(self._lookback(
+                lambda f, q: f"totals[((int(k & 1) * SIMDS + {q}) * MAPF + {fields.index(f)}) "
+                             "* LB + lb]"))
+        ctx.update(runs=runs, summary=summary, forward_pass=forward_pass,
+                   lookback=bool(self.schedule.lookback),
                    loads=writer.step_loads(prog, "        "),
                    step=writer.program(prog, route, "        "))
         return environment().get_template("scan_forward.j2").render(**ctx)
@@ -309,6 +392,7 @@ class ScanRenderer(KernelRenderer):
         lam_pass["enter"] = self._apply(lambda f: f"E_{f}", lam_pass["starts"],
                                         [lam_regs[s] for s in self.slots], hits=counts_hits)
         ctx = self._context("backward")
+        ctx["lookback"] = False  # the backward walks its stretches in one group
         for st, s in zip(ctx["scan_states"], self.slots):
             st["lam"] = lam_regs[s]
         ctx.update(runs=runs, summary=summary, forward_pass=self._pass(own, 0, hits=True),
