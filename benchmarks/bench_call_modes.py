@@ -15,6 +15,7 @@ process: RG-LRU forward and forward+backward (gradients of ``sum(y * w)``), µs 
   (``bench_peers.peak_torch``), each after a warm-up call.
 
     python benchmarks/bench_call_modes.py
+    python benchmarks/bench_call_modes.py --set SCAN_LOOKBACK_THREADS=0  # no look-back
     python benchmarks/bench_call_modes.py --cases 4,6 --schedules sequential,matrix
 
 Needs MLX's CUDA build on one NVIDIA GPU, and torch and accelerated-scan for the first form.
@@ -111,7 +112,21 @@ def main():
     p.add_argument("--schedules", default="sequential", help="with --cases: comma-separated")
     p.add_argument("--dtypes", default="float32,bfloat16", help="with --cases")
     p.add_argument("--backend", default="cuda", help="with --cases")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a schedule constant for this run (e.g. SCAN_LOOKBACK_THREADS=0: the "
+                        "scan's forward without the look-back)")
+    p.add_argument("--shapes", help="B,L,D;B,L,D... (default: %s)" % ";".join(
+        ",".join(map(str, s)) for s in SHAPES))
     args = p.parse_args()
+    import mlx_recgen.schedule as schedule
+
+    for setting in args.set:
+        name, value = setting.split("=")
+        if not hasattr(schedule, name):
+            raise SystemExit(f"schedule has no constant {name}")
+        setattr(schedule, name, int(value))
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split(","))
+                                             for s in args.shapes.split(";")]
     if args.cases:
         cases([int(i) for i in args.cases.split(",")], args.schedules.split(","),
               args.dtypes.split(","), args.backend)
@@ -124,7 +139,7 @@ def main():
     print("| shape | dtype | pass | build | queued | prebuilt | async | alone | accelerated-scan "
           "| peak MB, ours / accelerated-scan |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for B, L, D in SHAPES:
+    for B, L, D in shapes:
         for name in ("float32", "bfloat16"):
             rng = np.random.default_rng(0)
             sign = np.where(rng.uniform(size=(B, L, D)) < 0.5, -1, 1)

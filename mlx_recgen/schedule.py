@@ -135,6 +135,7 @@ class Schedule:
     # WINDOW (scan, forward): a group per stretch, the state entering it from the groups of
     # the stretches before it (the look-back over WINDOW stretches); 0: a group walks all
     lookback: int = 0
+    ahead: int = 1  # AHEAD (scan, forward): stretches whose loads are in flight
 
     @property
     def time_threads(self) -> int:
@@ -341,6 +342,10 @@ SCAN_MAX_RUN = 8
 # the stretches between: the chain of waits is segments / SCAN_WINDOW long.
 SCAN_LOOKBACK_THREADS = 1 << 16
 SCAN_WINDOW = 8
+# Stretches whose loads are in flight while one runs (forward, one group along time): two where
+# the groups leave the GPU part idle (the walk is then bound by a load's latency per stretch,
+# not by bandwidth), else one.
+SCAN_AHEAD_IDLE = 2
 SCAN_MAX_BLOCK = 4  # the largest multiplier block (K x K) the scan composes
 
 
@@ -437,10 +442,11 @@ def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
     several = sizes[spec.time] > stretch
     window = max(SCAN_WINDOW, 2) if lookback and several and groups * tg < SCAN_LOOKBACK_THREADS \
         else 0  # at least 2: the stretches between are WINDOW - 1 registers of maps
+    ahead = SCAN_AHEAD_IDLE if not window and groups * tg < SCAN_TARGET_THREADS else 1
     return Schedule(seg=stretch, threads=tg,
                     groups_per_instance=-(-sizes[spec.lane] // block), lane_reduction=False,
                     history="registers", state_size=1, kind="scan", lane_block=block, run=run,
-                    lookback=window)
+                    lookback=window, ahead=max(ahead, 1))
 
 
 def _lane_width(spec: Spec, sizes: dict) -> int:
