@@ -135,7 +135,6 @@ class Schedule:
     # WINDOW (scan, forward): a group per stretch, the state entering it from the groups of
     # the stretches before it (the look-back over WINDOW stretches); 0: a group walks all
     lookback: int = 0
-    ahead: int = 1  # AHEAD (scan, forward): stretches whose loads are in flight
 
     @property
     def time_threads(self) -> int:
@@ -337,15 +336,14 @@ SCAN_RUN_FLOATS = 64
 SCAN_MAX_RUN = 8
 # The look-back (forward; targets with ordered flags between groups, ``Dialect.lookback``): a
 # group per stretch where the lane blocks alone give fewer than SCAN_LOOKBACK_THREADS threads,
-# the GPU then mostly idle (RG-LRU B3 D768 L2048: 288 groups of 128). A stretch starts from
-# the end state of the stretch SCAN_WINDOW before it, published by its group, and the maps of
-# the stretches between: the chain of waits is segments / SCAN_WINDOW long.
-SCAN_LOOKBACK_THREADS = 1 << 16
+# the GPU then nearly idle. A stretch starts from the end state of the stretch SCAN_WINDOW
+# before it, published by its group, and the maps of the stretches between. Measured on an
+# H200 (RG-LRU forward, µs a pipelined call, one group / look-back): B1 D256 L32768 (32 groups
+# of 256) 172-189 / 90-94, B1 D512 L16384 (64 of 256) 94-101 / 89-92, B3 D768 L2048 (288 of
+# 128) the kernel 24 / 41; windows of 16 slower than of 8
+# (benchmarks/results/bench-scan-lookback-H200-2026-11-27.md).
+SCAN_LOOKBACK_THREADS = 1 << 14
 SCAN_WINDOW = 8
-# Stretches whose loads are in flight while one runs (forward, one group along time): two where
-# the groups leave the GPU part idle (the walk is then bound by a load's latency per stretch,
-# not by bandwidth), else one.
-SCAN_AHEAD_IDLE = 2
 SCAN_MAX_BLOCK = 4  # the largest multiplier block (K x K) the scan composes
 
 
@@ -442,11 +440,10 @@ def make_scan_schedule(spec: Spec, sizes: dict, run: int, threads=None,
     several = sizes[spec.time] > stretch
     window = max(SCAN_WINDOW, 2) if lookback and several and groups * tg < SCAN_LOOKBACK_THREADS \
         else 0  # at least 2: the stretches between are WINDOW - 1 registers of maps
-    ahead = SCAN_AHEAD_IDLE if not window and groups * tg < SCAN_TARGET_THREADS else 1
     return Schedule(seg=stretch, threads=tg,
                     groups_per_instance=-(-sizes[spec.lane] // block), lane_reduction=False,
                     history="registers", state_size=1, kind="scan", lane_block=block, run=run,
-                    lookback=window, ahead=max(ahead, 1))
+                    lookback=window)
 
 
 def _lane_width(spec: Spec, sizes: dict) -> int:

@@ -324,7 +324,7 @@ class ScanRenderer(KernelRenderer):
                 lambda f, q: f"totals[((int(k & 1) * SIMDS + {q}) * MAPF + {fields.index(f)}) "
                              "* LB + lb]"))
         ctx.update(runs=runs, summary=summary, forward_pass=forward_pass,
-                   lookback=bool(self.schedule.lookback), ahead=self.schedule.ahead,
+                   lookback=bool(self.schedule.lookback),
                    loads=writer.step_loads(prog, "        "),
                    step=writer.program(prog, route, "        "))
         return environment().get_template("scan_forward.j2").render(**ctx)
