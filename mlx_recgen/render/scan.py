@@ -133,9 +133,9 @@ class ScanRenderer(KernelRenderer):
         fields = self.fields(hits)
         reg = lambda prefix: (lambda f: f"{prefix}_{f}")  # noqa: E731
         def shared(f, g="g"):
-            return f"totals[(({pass_index} * SIMDS + {g}) * MAPF + {fields.index(f)}) * LB + lb]"
+            return self._total(pass_index, g, fields.index(f))
 
-        identity = {f: ("1.0f" if f.startswith("a") and f[-1] == f[-2] else "0.0f") for f in fields}
+        identity = self._identity(fields)
         declare = [f"float T_{f} = {own[f]};" for f in fields]
         declare += [f"float E_{f} = {identity[f]};" for f in fields]
         shuffle = [f"const float Q_{f} = {self.d.simd_shuffle_xor}(T_{f}, mask);" for f in fields]
@@ -153,6 +153,16 @@ class ScanRenderer(KernelRenderer):
                     advance=self._apply(shared, carry, carry, hits),
                     enter=self._apply(reg("E"), start, self._registers(), hits))
 
+    @staticmethod
+    def _identity(fields) -> dict:
+        """The identity map, field by field: ones on the multipliers' diagonals, zeros else."""
+        return {f: ("1.0f" if f.startswith("a") and f[-1] == f[-2] else "0.0f") for f in fields}
+
+    @staticmethod
+    def _total(pass_index, simdgroup, field: int) -> str:
+        """A simdgroup's total in threadgroup memory: one field of its map, for lane ``lb``."""
+        return f"totals[(({pass_index} * SIMDS + {simdgroup}) * MAPF + {field}) * LB + lb]"
+
     def _lookback(self, shared) -> dict:
         """The forward pass's look-back (``Schedule.lookback``): lines run by one thread per
         lane (``j == 0``) once the simdgroups' totals (``shared(field, q)``) are in group memory,
@@ -167,7 +177,7 @@ class ScanRenderer(KernelRenderer):
         fields, states = self.fields(), self._states()
         d, i64 = self.d, self.d.int64
         reg = lambda prefix: (lambda f: f"{prefix}_{f}")  # noqa: E731
-        identity = {f: ("1.0f" if f.startswith("a") and f[-1] == f[-2] else "0.0f") for f in fields}
+        identity = self._identity(fields)
         entering = [f"entering_{k}" for k in range(len(states))]
         at_map = lambda tile, f: f"scan_maps[(({tile}) * MAPF + {fields.index(f)}) * LB + lb]"  # noqa: E731
         at_end = lambda tile, k: f"scan_ends[(({tile}) * {len(states)} + {k}) * LB + lb]"  # noqa: E731
@@ -321,8 +331,7 @@ class ScanRenderer(KernelRenderer):
         if self.schedule.lookback:
             fields = self.fields()
             forward_pass.update(self._lookback(
-                lambda f, q: f"totals[((int(k & 1) * SIMDS + {q}) * MAPF + {fields.index(f)}) "
-                             "* LB + lb]"))
+                lambda f, q: self._total("int(k & 1)", q, fields.index(f))))
         ctx.update(runs=runs, summary=summary, forward_pass=forward_pass,
                    lookback=bool(self.schedule.lookback),
                    loads=writer.step_loads(prog, "        "),
