@@ -334,16 +334,16 @@ SCAN_MIN_LANE_BLOCK = 8
 # slower than runs of 8: RG-LRU B8 D1024 L4096 fp32 forward 221 against 152 us).
 SCAN_RUN_FLOATS = 64
 SCAN_MAX_RUN = 8
-# The look-back (forward; targets with ordered flags between groups, ``Dialect.lookback``): a
+# The look-back (forward; targets where a group may wait on another, ``Dialect.lookback``): a
 # group per stretch where the lane blocks alone give fewer than SCAN_LOOKBACK_THREADS threads,
-# the GPU then nearly idle. A stretch starts from the end state of the stretch SCAN_WINDOW
-# before it, published by its group, and the maps of the stretches between. Measured on an
-# H200 (RG-LRU forward, µs a pipelined call, one group / look-back): B1 D256 L32768 (32 groups
-# of 256) 172-189 / 90-94, B1 D512 L16384 (64 of 256) 94-101 / 89-92, B3 D768 L2048 (288 of
-# 128) the kernel 24 / 41; windows of 16 slower than of 8
+# the GPU then mostly idle. A stretch starts from the end state of the stretch SCAN_WINDOW
+# before it, published by its group, under the maps of the stretches between. Measured on an
+# H200 (RG-LRU forward, µs a pipelined call, one group / look-back with windows of 4 / of 8):
+# B1 D256 L32768 (32 groups of 256) 171-190 / 78-83 / 98-107, B1 D512 L16384 (64 of 256)
+# 92-101 / 77-82 / 101-104; B3 D768 L2048 (288 of 128) the kernel 23.6 / 29.7 / 41.0
 # (benchmarks/results/bench-scan-lookback-H200-2026-11-27.md).
-SCAN_LOOKBACK_THREADS = 1 << 14
-SCAN_WINDOW = 8
+SCAN_LOOKBACK_THREADS = 1 << 15
+SCAN_WINDOW = 4
 SCAN_MAX_BLOCK = 4  # the largest multiplier block (K x K) the scan composes
 
 

@@ -339,10 +339,10 @@ def test_lookback_is_taken_where_the_target_has_it():
     # kernel_source: 4 instances, here of 64 lanes (32 groups)
     cuda = kernel_source(rec, "forward", "cuda", lanes=64, schedule="scan", length=32768)
     metal = kernel_source(rec, "forward", "metal", lanes=64, schedule="scan", length=32768)
-    assert "recgen_await_flags<WINDOW>" in cuda and "scan_flags" in cuda
-    assert "scan_flags" not in metal and "WINDOW" not in metal
+    assert "recgen_publish(" in cuda and "scan_words" in cuda
+    assert "scan_words" not in metal and "WINDOW" not in metal
     backward = kernel_source(rec, "backward", "cuda", lanes=64, schedule="scan", length=32768)
-    assert "scan_flags" not in backward
+    assert "scan_words" not in backward
 
 
 # -- CUDA text --------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def test_scan_cuda_text_compiles(tmp_path, kernel, dtype, length):
     for name in SCAN_SPECS:
         text = kernel_source(rg.load_spec(name), kernel, "cuda", dtype, lanes=64,
                              schedule="scan", length=length)
-        assert ("scan_flags" in text) == (length == 4096)
+        assert ("scan_words" in text) == (length == 4096)
         text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
                             "#include <cstdint>\n#include <cuda_bf16.h>")
         src = tmp_path / f"{name}_{kernel}.cu"

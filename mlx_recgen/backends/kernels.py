@@ -176,11 +176,10 @@ class KernelBackend:
             lookback = schedule.kind == "scan" and schedule.lookback > 0  # ScanPasses.forward
             return _Buffers([*(ids["buffer", t] for t in s.inputs),
                              *(ids["init", t] for t in s.states),
-                             *(["scan_flags"] if lookback else []), "meta"],
+                             *(["scan_words"] if lookback else []), "meta"],
                             [*(ids["buffer", t] for t in s.outputs),
                              *(ids["final", t] for t in s.states),
-                             *(ids["ckpt", t] for t in s.states),
-                             *(["scan_maps", "scan_ends"] if lookback else [])])
+                             *(ids["ckpt", t] for t in s.states)])
         outs = [*(ids["d", t] for t in _differentiable(s)), *(ids["d_init", t] for t in s.states)]
         if schedule.history == "scratch":
             outs.append("scratch")
@@ -489,33 +488,32 @@ class ScanPasses:
         """(outputs, final states, checkpoints).
 
         With the look-back (``Schedule.lookback``) a group takes one stretch (the grid is
-        ``segments`` times the lane blocks) and the kernel also takes the flags, a zero
-        array of the call (a ticket counter, then a word per group), and writes each
-        stretch's map and end state for the groups after it (``scan_maps``, ``scan_ends``:
-        dropped here)."""
+        ``segments`` times the lane blocks) and the kernel also takes ``scan_words``, a zero
+        array of the call through which the groups publish (``ScanRenderer._lookback``): a
+        ticket counter, then per stretch and lane its map's floats and its end state's."""
         b, spec = self.backend, self.backend.rec.spec
         sch = self.schedule(sizes, run, threads)
         segments = -(-sizes[spec.time] // sch.seg)
-        tiles = segments * sch.groups_per_instance * math.prod(sizes[a] for a in spec.batch_axes)
 
         def build():
             instances, grid, group = b._launch(sizes, sch, outer=segments if sch.lookback else 1)
             dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
                       + f" -> {_dtype_name(out_dtype)}")
             shapes, out_dtypes = b._forward_outputs(sizes, sch, instances, out_dtype)
-            if sch.lookback:
-                fields = scan_map_floats(b.rec.affine)
-                slots = sum(t.components for t in spec.states.values())
-                shapes += [(tiles * fields * sch.lane_block,), (tiles * slots * sch.lane_block,)]
-                out_dtypes += [mx.float32, mx.float32]
             template = [*sch.template(), ("OutT", out_dtype),
                         *self.run_template([x.dtype for x in inputs])]
             return _Launch(b.kernel("forward", sch, dtypes), b._meta(sizes, sch), template,
                            grid, group, shapes, out_dtypes)
 
         key = ("scan forward", run, threads, out_dtype, *(x.dtype for x in inputs))
-        flags = [mx.zeros((1 + tiles,), dtype=mx.uint32)] if sch.lookback else []
-        results = b.launch(key, sizes, build)([*map(_as_buffer, inputs), *states, *flags])
+        words = []
+        if sch.lookback:
+            tiles = segments * sch.groups_per_instance * math.prod(sizes[a] for a in spec.batch_axes)
+            floats = scan_map_floats(b.rec.affine) + sum(t.components for t in spec.states.values())
+            # 64-bit words as pairs of 32-bit zeros: MLX's fill of 64-bit ones took 15-20 µs for
+            # 1.2 MB on an H200
+            words = [mx.zeros((2 * (1 + tiles * floats * sch.lane_block),), dtype=mx.uint32)]
+        results = b.launch(key, sizes, build)([*map(_as_buffer, inputs), *states, *words])
         n_out, n_state = len(spec.outputs), len(spec.states)
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
                 list(results[n_out + n_state:n_out + 2 * n_state]))
@@ -636,7 +634,7 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16,
     def info(name):  # what MLX sees of each input buffer: dtype and rank
         if name == "meta":
             return _ArrayInfo(mx.int64, 1, len(impl.meta.keys))
-        if name == "scan_flags":
+        if name == "scan_words":
             return _ArrayInfo(mx.uint32, 1)
         if name in by_name:
             return _input_info(dtypes[by_name[name].name], by_name[name])

@@ -58,14 +58,13 @@ class Dialect:
     # ``{groups}`` groups a core leave (the kernel's signature is the host's, MLX's); "" where
     # the target has no such bound
     launch_bounds: str = ""
-    # the scan's look-back (``Schedule.lookback``): groups that wait on flags other groups
-    # raise, through device memory. recgen_take_ticket(counter): this group's number in the
-    # order groups start; recgen_lanes_publish(n): the first n lanes' writes visible to every
-    # group; recgen_raise_flag(flag, bit); recgen_await_flags<N>(flags, count, stride, bit):
-    # until the first count (<= N) flags, stride apart, have the bit, then what they announce
-    # visible to this thread; recgen_load_published(p): a float another group wrote. "" where
-    # the target promises no progress to a group that waits on another (Metal: then one group
-    # walks all of a lane block's stretches)
+    # the scan's look-back (``Schedule.lookback``): groups that wait on floats other groups
+    # publish, through device memory. recgen_words(zeros): the call's zero array as 64-bit
+    # words; recgen_take_ticket(counter): this group's number in the
+    # order groups start; recgen_publish(word, v): v with a ready tag; recgen_peek(word): the
+    # word as it is now, recgen_ready / recgen_value of it; recgen_pause(): a short wait
+    # between polls. "" where the target promises no progress to a group that waits on
+    # another (Metal: then one group walks all of a lane block's stretches)
     lookback: str = ""
 
 
@@ -185,42 +184,31 @@ CUDA = Dialect(
 #undef __global__
 #define __global__ __location__(global) __launch_bounds__({threads}, {groups})""",
     lookback="""\
-// MLX passes every input as const: the flags are a zero array of one call, written only here.
-__device__ inline unsigned recgen_take_ticket(const unsigned* counter) {
-  return atomicAdd(const_cast<unsigned*>(counter), 1u);
+// MLX passes every input as const: the words are a zero array of one call, written only here.
+// It comes as 32-bit zeros (MLX fills those faster than 64-bit ones), read as 64-bit words.
+__device__ inline const uint64_t* recgen_words(const uint32_t* zeros) {
+  return reinterpret_cast<const uint64_t*>(zeros);
 }
-// every writer's stores ordered before the warp barrier, then before the flag (the fence of
-// the lane that raises it orders what the barrier ordered before it)
-__device__ inline void recgen_lanes_publish(int lanes) {
-  __threadfence();
-  __syncwarp(lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u);
+__device__ inline unsigned long long recgen_take_ticket(const uint64_t* counter) {
+  return atomicAdd(reinterpret_cast<unsigned long long*>(const_cast<uint64_t*>(counter)), 1ull);
 }
-__device__ inline void recgen_raise_flag(const unsigned* flag, unsigned bit) {
-  __threadfence();
-  atomicOr(const_cast<unsigned*>(flag), bit);
+// a float beside its ready tag in one aligned 64-bit word, written and read whole (single-copy
+// atomic): a reader that sees the tag sees the value, with no fence between them
+__device__ inline void recgen_publish(const uint64_t* word, float v) {
+  atomicExch(reinterpret_cast<unsigned long long*>(const_cast<uint64_t*>(word)),
+             (1ull << 32) | __float_as_uint(v));
 }
-// the flags' loads issued together (unrolled, no test between them): one round trip when up
-template <int N>
-__device__ inline void recgen_await_flags(const unsigned* flags, int count, int64_t stride,
-                                          unsigned bit) {
-  for (;;) {
-    bool up = true;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      if (i < count) {
-        up = up & ((*(volatile const unsigned*)(flags + i * stride) & bit) != 0u);
-      }
-    }
-    if (up) {
-      break;
-    }
-    __nanosleep(32);
-  }
-  __threadfence();
+__device__ inline unsigned long long recgen_peek(const uint64_t* word) {
+  return *reinterpret_cast<volatile const unsigned long long*>(word);  // from L2, not L1
 }
-// through L2 (L1 is not coherent between SMs)
-__device__ inline float recgen_load_published(const float* p) {
-  return __ldcg(p);
+__device__ inline bool recgen_ready(unsigned long long word) {
+  return (word >> 32) != 0ull;
+}
+__device__ inline float recgen_value(unsigned long long word) {
+  return __uint_as_float(static_cast<unsigned>(word));
+}
+__device__ inline void recgen_pause() {
+  __nanosleep(32);
 }
 """,
     matrix_prelude="""\

@@ -168,36 +168,44 @@ class ScanRenderer(KernelRenderer):
         lane (``j == 0``) once the simdgroups' totals (``shared(field, q)``) are in group memory,
         and the lines after the barrier that follows them.
 
-        The stretch's map ``G`` (the totals composed in time order) goes to ``scan_maps`` for
-        the stretches after it; the state entering the stretch is the end state of stretch
-        ``k - WINDOW`` (``scan_ends``; the initial state where that is before the first) with
-        the maps of the stretches between applied oldest first, so that it does not depend on
-        which groups have finished (reruns are bit-identical). The flags of ``scan_flags`` say
-        what a stretch has published: bit 1 its map, bit 2 its end state."""
+        Groups exchange floats through ``words`` (``scan_words``, a zero array of the call): each
+        float in a 64-bit word beside a ready tag, written and read whole, so a reader that sees the tag
+        sees the value (``Dialect.lookback``). Word 0 is the ticket counter; then every
+        stretch's map ``G`` (the totals composed in time order), then every stretch's end
+        state. The state entering stretch ``k`` is the end state of stretch ``k - WINDOW`` (the
+        initial state where that is before the first) under the maps of the stretches between,
+        composed oldest first while that end state may still be on its way: a fixed rule, so
+        the result does not depend on which groups have finished (reruns are bit-identical)."""
         fields, states = self.fields(), self._states()
         d, i64 = self.d, self.d.int64
         reg = lambda prefix: (lambda f: f"{prefix}_{f}")  # noqa: E731
         identity = self._identity(fields)
         entering = [f"entering_{k}" for k in range(len(states))]
-        at_map = lambda tile, f: f"scan_maps[(({tile}) * MAPF + {fields.index(f)}) * LB + lb]"  # noqa: E731
-        at_end = lambda tile, k: f"scan_ends[(({tile}) * {len(states)} + {k}) * LB + lb]"  # noqa: E731
-        published = lambda at: f"recgen_load_published(&{at})"  # noqa: E731
-        flag = lambda tile: f"scan_flags + 1 + ({tile})"  # noqa: E731
+        maps_at = lambda tile, f: f"words + 1 + (({tile}) * MAPF + {fields.index(f)}) * LB + lb"  # noqa: E731
+        ends_at = lambda tile, k: (f"words + 1 + chains * segments * MAPF * LB + "  # noqa: E731
+                                   f"(({tile}) * {len(states)} + {k}) * LB + lb")
 
-        def announce(lines, bit):  # after the lanes' writes: one flag for the block of lanes
-            return [*lines, "recgen_lanes_publish(LB);",
-                    f"if (lb == 0) {{ recgen_raise_flag({flag('tile')}, {bit}u); }}"]
-
-        # each earlier map, loaded where stretch q lies in the window (else the identity)
-        window_maps = [f"float M_{f}[WINDOW - 1];" for f in fields]
-        window_maps += [d.unroll, "for (int w = 1; w < WINDOW; ++w) {",
-                        f"  const {i64} q = base + w;", "  const bool in_window = q >= 0 && q < k;"]
-        window_maps += [f"  M_{f}[w - 1] = in_window ? {published(at_map('q * chains + group', f))} "
-                        f": {identity[f]};" for f in fields]
-        window_maps += ["}", d.unroll, "for (int w = 1; w < WINDOW; ++w) {"]
-        window_maps += ["  " + x for x in self._apply(lambda f: f"M_{f}[w - 1]", entering, entering,
-                                                       hits=True)]
-        window_maps += ["}"]
+        # the maps of the window's stretches (the identity outside it), polled together
+        window = [f"float M_{f}[WINDOW - 1];" for f in fields]
+        window += ["for (bool up = false; !up;) {", "  up = true;", f"  {d.unroll}",
+                   "  for (int w = 1; w < WINDOW; ++w) {", f"    const {i64} q = base + w;",
+                   "    if (q >= 0 && q < k) {"]
+        for f in fields:
+            window += [f"      const unsigned long long u_{f} = recgen_peek({maps_at('q * chains + group', f)});",
+                       f"      up = up & recgen_ready(u_{f});",
+                       f"      M_{f}[w - 1] = recgen_value(u_{f});"]
+        window += ["    } else {", *(f"      M_{f}[w - 1] = {identity[f]};" for f in fields),
+                   "    }", "  }", "  if (!up) {", "    recgen_pause();", "  }", "}"]
+        window += [*(f"float R_{f} = {identity[f]};" for f in fields), d.unroll,
+                   "for (int w = 1; w < WINDOW; ++w) {",
+                   *("  " + x for x in self._compose("R", lambda f: f"M_{f}[w - 1]", reg("R"),
+                                                     hits=True)), "}"]
+        # the end state of stretch base, polled until all its slots are up
+        awaited = ["for (bool up = false; !up;) {", "  up = true;"]
+        for k, e in enumerate(entering):
+            awaited += [f"  const unsigned long long u_{k} = recgen_peek({ends_at('base * chains + group', k)});",
+                        f"  up = up & recgen_ready(u_{k});", f"  {e} = recgen_value(u_{k});"]
+        awaited += ["  if (!up) {", "    recgen_pause();", "  }", "}"]
         lines = [
             "if (j == 0) {  // one thread per lane: the first LB threads, in the first simdgroup",
             f"  const {i64} tile = k * chains + group;",
@@ -207,32 +215,25 @@ class ScanRenderer(KernelRenderer):
             *("    " + x for x in self._compose("G", lambda f: shared(f, "q"), reg("G"), hits=True)),
             "  }",
             "  if (k + 1 < segments) {  // the stretches after it apply it",
-            *("    " + x for x in announce([f"{at_map('tile', f)} = G_{f};" for f in fields], 1)),
+            *(f"    recgen_publish({maps_at('tile', f)}, G_{f});" for f in fields),
             "  }",
-            "  // the state entering it: stretch k - WINDOW's end state (or the initial state),",
-            "  // then the maps of the stretches between",
+            "  // the state entering it: stretch k - WINDOW's end state (or the initial state)",
+            "  // under R, the maps of the stretches between composed oldest first",
             f"  const {i64} base = k - WINDOW;",
-            *(f"  float {e} = 0.0f;" for e in entering),
-            "  if (base < 0) {",
-            *(f"    {e} = lane_ok ? static_cast<float>({s['init']}[{s['offset']}]) : 0.0f;"
+            *("  " + x for x in window),
+            *(f"  float {e} = lane_ok ? static_cast<float>({s['init']}[{s['offset']}]) : 0.0f;"
               for e, s in zip(entering, states)),
-            "  } else {",
-            f"    recgen_await_flags<1>({flag('base * chains + group')}, 1, 0, 2u);",
-            *(f"    {e} = {published(at_end('base * chains + group', k))};"
-              for k, e in enumerate(entering)),
+            "  if (base >= 0) {",
+            *("    " + x for x in awaited),
             "  }",
-            "  const int first_in_window = base < 0 ? int(-base) : 1;  // w of stretch max(base + 1, 0)",
-            f"  recgen_await_flags<WINDOW>({flag('(base + first_in_window) * chains + group')}, "
-            "int(WINDOW - first_in_window), chains, 1u);",
-            *("  " + x for x in window_maps),
+            *("  " + x for x in self._apply(reg("R"), entering, entering, hits=True)),
             *(f"  entering[{k} * LB + lb] = {e};" for k, e in enumerate(entering)),
             "  if (lane_ok) {  // the checkpoint: the state entering stretch k",
             *(f"    {s['ckpt_buffer']}[{s['ckpt']}] = {e};" for e, s in zip(entering, states)),
             "  }",
             "  if (k + WINDOW < segments) {  // its end state, for stretch k + WINDOW",
             *("    " + x for x in self._apply(reg("G"), entering, entering, hits=True)),
-            *("    " + x for x in announce([f"{at_end('tile', k)} = {e};"
-                                            for k, e in enumerate(entering)], 2)),
+            *(f"    recgen_publish({ends_at('tile', k)}, {e});" for k, e in enumerate(entering)),
             "  }",
             "}",
         ]
