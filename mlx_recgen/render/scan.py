@@ -178,12 +178,18 @@ class ScanRenderer(KernelRenderer):
         the result does not depend on which groups have finished (reruns are bit-identical)."""
         fields, states = self.fields(), self._states()
         d, i64 = self.d, self.d.int64
-        reg = lambda prefix: (lambda f: f"{prefix}_{f}")  # noqa: E731
         identity = self._identity(fields)
         entering = [f"entering_{k}" for k in range(len(states))]
-        maps_at = lambda tile, f: f"words + 1 + (({tile}) * MAPF + {fields.index(f)}) * LB + lb"  # noqa: E731
-        ends_at = lambda tile, k: (f"words + 1 + chains * segments * MAPF * LB + "  # noqa: E731
-                                   f"(({tile}) * {len(states)} + {k}) * LB + lb")
+
+        def reg(prefix):  # a map's fields in registers named prefix_<field>
+            return lambda f: f"{prefix}_{f}"
+
+        def maps_at(tile, f):  # the word of field f of stretch tile's map, for lane lb
+            return f"words + 1 + (({tile}) * MAPF + {fields.index(f)}) * LB + lb"
+
+        def ends_at(tile, k):  # the word of slot k of stretch tile's end state, after the maps
+            return (f"words + 1 + chains * segments * MAPF * LB + "
+                    f"(({tile}) * {len(states)} + {k}) * LB + lb")
 
         # the maps of the window's stretches (the identity outside it), polled together
         window = [f"float M_{f}[WINDOW - 1];" for f in fields]
