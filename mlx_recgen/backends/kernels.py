@@ -508,7 +508,8 @@ class ScanPasses:
         key = ("scan forward", run, threads, out_dtype, *(x.dtype for x in inputs))
         words = []
         if sch.lookback:
-            tiles = segments * sch.groups_per_instance * math.prod(sizes[a] for a in spec.batch_axes)
+            tiles = segments * sch.groups_per_instance * math.prod(
+                sizes[a] for a in spec.batch_axes)
             floats = scan_map_floats(b.rec.affine) + sum(t.components for t in spec.states.values())
             # 64-bit words as pairs of 32-bit zeros: MLX's fill of 64-bit ones took 15-20 µs for
             # 1.2 MB on an H200

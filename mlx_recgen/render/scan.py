@@ -168,10 +168,10 @@ class ScanRenderer(KernelRenderer):
         lane (``j == 0``) once the simdgroups' totals (``shared(field, q)``) are in group memory,
         and the lines after the barrier that follows them.
 
-        Groups exchange floats through ``words`` (``scan_words``, a zero array of the call): each
-        float in a 64-bit word beside a ready tag, written and read whole, so a reader that sees the tag
-        sees the value (``Dialect.lookback``). Word 0 is the ticket counter; then every
-        stretch's map ``G`` (the totals composed in time order), then every stretch's end
+        Groups exchange floats through ``words`` (``scan_words``, a zero array of the call):
+        each float in a 64-bit word beside a ready tag, written and read whole, so a reader that
+        sees the tag sees the value (``Dialect.lookback``). Word 0 is the ticket counter; then
+        every stretch's map ``G`` (the totals composed in time order), then every stretch's end
         state. The state entering stretch ``k`` is the end state of stretch ``k - WINDOW`` (the
         initial state where that is before the first) under the maps of the stretches between,
         composed oldest first while that end state may still be on its way: a fixed rule, so
@@ -197,7 +197,8 @@ class ScanRenderer(KernelRenderer):
                    "  for (int w = 1; w < WINDOW; ++w) {", f"    const {i64} q = base + w;",
                    "    if (q >= 0 && q < k) {"]
         for f in fields:
-            window += [f"      const unsigned long long u_{f} = recgen_peek({maps_at('q * chains + group', f)});",
+            word = maps_at("q * chains + group", f)
+            window += [f"      const unsigned long long u_{f} = recgen_peek({word});",
                        f"      up = up & recgen_ready(u_{f});",
                        f"      M_{f}[w - 1] = recgen_value(u_{f});"]
         window += ["    } else {", *(f"      M_{f}[w - 1] = {identity[f]};" for f in fields),
@@ -209,7 +210,8 @@ class ScanRenderer(KernelRenderer):
         # the end state of stretch base, polled until all its slots are up
         awaited = ["for (bool up = false; !up;) {", "  up = true;"]
         for k, e in enumerate(entering):
-            awaited += [f"  const unsigned long long u_{k} = recgen_peek({ends_at('base * chains + group', k)});",
+            word = ends_at("base * chains + group", k)
+            awaited += [f"  const unsigned long long u_{k} = recgen_peek({word});",
                         f"  up = up & recgen_ready(u_{k});", f"  {e} = recgen_value(u_{k});"]
         awaited += ["  if (!up) {", "    recgen_pause();", "  }", "}"]
         lines = [
@@ -218,7 +220,8 @@ class ScanRenderer(KernelRenderer):
             "  // this stretch's map: the simdgroups' totals composed in time order",
             *(f"  float G_{f} = {shared(f, '0')};" for f in fields),
             "  for (int q = 1; q < SIMDS; ++q) {",
-            *("    " + x for x in self._compose("G", lambda f: shared(f, "q"), reg("G"), hits=True)),
+            *("    " + x for x in self._compose("G", lambda f: shared(f, "q"), reg("G"),
+                                             hits=True)),
             "  }",
             "  if (k + 1 < segments) {  // the stretches after it apply it",
             *(f"    recgen_publish({maps_at('tile', f)}, G_{f});" for f in fields),
