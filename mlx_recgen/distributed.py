@@ -140,9 +140,9 @@ def call_distributed(rec, group, args, kwargs, *, initial_state, return_state, b
     try:
         call = rec.check(*args, initial_state=initial_state, **kwargs)
         plan = rec.plan_for(call, backend=backend, seg=seg, schedule=schedule)
-        if schedule == "auto" and dict(plan.options).get("schedule") == "scan":
+        if schedule == "auto" and dict(plan.options).get("schedule") in ("scan", "matrix"):
             # the chunked kernels' own summaries serve the cross-rank composition (_Segments);
-            # the scan's passes would each run twice (_Passes)
+            # the scan's or the matrix form's passes would each run twice (_Passes)
             plan = rec.plan_for(call, backend=backend, seg=seg, schedule="chunked")
     except Exception:
         _exchange_headers(rec, group, None)  # the other ranks raise too, instead of hanging

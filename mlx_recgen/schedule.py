@@ -37,6 +37,7 @@ is a runtime value in the ``meta`` array, so a new sequence length reuses the co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -103,6 +104,19 @@ MATRIX_CHUNK = 64
 # B2 L256 H8 P64 N128 98 against 103 ms at 64). HGRN2's vector decay, whose weights take
 # sub-chunks, ran 106 / 102 / 98 ms: vector decays keep MATRIX_CHUNK.
 MATRIX_CHUNK_CPU = 32
+# Where ``auto`` runs the matrix schedule (``matrix_pays``): on CUDA (Metal's matrix kernels are
+# unmeasured on an Apple GPU; the pure-MLX backend keeps its forms), for a recurrence whose every
+# decay is a scalar per step and which is no delta rule, over at least two chunks and
+# MATRIX_AUTO_MIN_WORK instance-steps (B x H x L). Measured on an H200, GLA K=V=64 fp32, ms
+# forward / forward+backward: B3 H12 L2048 (73728 instance-steps) matrix 0.26-0.34 / 1.33-1.79
+# against sequential 1.60 / 5.54 pipelined and 0.49 / 1.80 queued; B8 H16 L4096 matrix
+# 0.90 / 3.14 against sequential 1.07 / 9.91 (benchmarks/results/bench-peers-b3-pipelined-*,
+# bench-matrix-glue-*, bench-matrix-final-H200-2026-11-27.md). Not taken: a decay per state
+# element (SSD N16 at B3: the older kernels 1.29 ms forward+backward on an H100, the matrix
+# form 2.01 on an H200), a delta rule (gated DeltaNet B3: forward 1.98 ms against sequential
+# 1.51).
+MATRIX_AUTO_BACKENDS = ("cuda",)
+MATRIX_AUTO_MIN_WORK = 1 << 16
 MLX_CHUNK_FLOATS = 1 << 22
 
 
@@ -235,12 +249,13 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
     two chunks and, on a kernel backend, one sequential step would not already fill the GPU
     (``CHUNKED_MAX_SEQUENTIAL_WORK``), on the ``mlx`` backend the device is a GPU
     (``mlx_time_parallel_pays``); else ``sequential``.
-    ``auto`` never picks ``matrix`` (asked for by name): on an H100 our sequential and chunked
-    kernels beat its MLX-op form (``benchmarks/results/bench-matrix-*``), on a GPU its fp32
-    products run in TF32 unless ``MLX_ENABLE_TF32=0``, and a non-finite value anywhere in a
-    call makes every output of its chunk products NaN where the sequential schedule keeps the
-    outputs before it (docs/matrix.md); on the CPU it is the fastest pure-MLX form (a Mamba-2
-    model's training step 1.02 s against 1.98 s sequential, ``benchmarks/bench_models.py``).
+    ``auto`` picks ``matrix`` on CUDA where ``matrix_pays`` (every decay a scalar, no delta rule,
+    enough work: measured faster there, ``MATRIX_AUTO_BACKENDS``), with what that form brings:
+    fp32 products in TF32 unless ``MLX_ENABLE_TF32=0`` (as MLX's own matmuls), and a non-finite
+    value in a chunk making that chunk's outputs before it NaN, where the sequential schedule
+    keeps them (docs/matrix.md). Elsewhere it is asked for by name (on the CPU it is the
+    fastest pure-MLX form: a Mamba-2 model's training step 1.02 s against 1.98 s sequential,
+    ``benchmarks/bench_models.py``; the mlx-lm integration asks for it for the SSD).
     ``matrix`` on a call of one step runs what ``auto`` picks.
     ``chunked`` on a delta rule (state-affine, its multiplier diagonal plus low rank: no
     segment summaries) runs ``matrix`` where the matrix form applies. ``chunked`` on a
@@ -299,6 +314,8 @@ def choose(rec, sizes: dict, requested: str, seg, backend: str) -> tuple:
         if kind == "chunked" and seg is None and backend in SCAN_AUTO_BACKENDS \
                 and not scan_misfit(rec):
             return "scan", scan_run(spec)
+        if seg is None and backend in MATRIX_AUTO_BACKENDS and matrix_pays(rec, sizes):
+            return "matrix", matrix_chunk(rec, backend)
     if seg is None:
         seg = (MATRIX_CHUNK if kind == "matrix" else SEQUENTIAL_SEG if kind != "chunked"
                else chunk_length(spec, sizes) if kernels else mlx_chunk_length(spec, sizes))
@@ -474,6 +491,19 @@ def chunk_length(spec: Spec, sizes: dict) -> int:
     while seg > 1 and seg * _state_floats(spec, sizes) > CHUNKED_HISTORY_FLOATS:
         seg //= 2
     return seg
+
+
+def matrix_pays(rec, sizes: dict) -> bool:
+    """Whether ``auto`` runs the matrix schedule on a backend of ``MATRIX_AUTO_BACKENDS``: the
+    matrix form applies, every decay is a scalar per step, no delta rule, and the call has two
+    chunks and ``MATRIX_AUTO_MIN_WORK`` instance-steps (measured where it wins; see there)."""
+    form = rec.matrix
+    if not form.applies or not rec.affine.block_diagonal \
+            or any(st.vector_decay for st in form.states):
+        return False
+    L = sizes[rec.spec.time]
+    instances = math.prod(sizes[b] for b in rec.spec.batch_axes)
+    return L >= 2 * MATRIX_CHUNK and instances * L >= MATRIX_AUTO_MIN_WORK
 
 
 def matrix_chunk(rec, backend: str) -> int:

@@ -243,6 +243,37 @@ def test_reruns_are_bit_identical_and_other_backends_run_the_same_ops(monkeypatc
         rec(*inputs, backend="metal-sim", schedule="matrix", threads=64)
 
 
+def test_auto_takes_the_matrix_form_where_it_was_measured_faster():
+    """``auto`` on CUDA runs the matrix schedule for a scalar decay with enough work (GLA at
+    B3 H12 L2048 and B8 H16 L4096, Mamba-2, RetNet), and not: below two chunks or
+    ``MATRIX_AUTO_MIN_WORK`` instance-steps, with a chunk length of the caller's, for a decay
+    per state element (SSD) or a delta rule, nor on Metal or the pure-MLX backend."""
+    from mlx_recgen.schedule import MATRIX_AUTO_MIN_WORK, choose, matrix_pays
+
+    gla = rg.load_spec("gla")
+    b3 = {"B": 3, "L": 2048, "H": 12, "K": 64, "V": 64}
+    b8 = {"B": 8, "L": 4096, "H": 16, "K": 64, "V": 64}
+    for sizes in (b3, b8):
+        assert choose(gla, sizes, "auto", None, "cuda") == ("matrix", 64)
+        for backend in ("metal", "metal-sim", "mlx"):
+            assert choose(gla, sizes, "auto", None, backend)[0] != "matrix"
+    assert choose(gla, b3, "auto", 16, "cuda")[0] != "matrix"  # the caller's chunk length
+    assert not matrix_pays(gla, {**b3, "L": 127})  # under two chunks
+    small = {**b3, "B": 1, "H": 1, "L": MATRIX_AUTO_MIN_WORK // 2}
+    assert not matrix_pays(gla, small) and matrix_pays(gla, {**small, "L": MATRIX_AUTO_MIN_WORK})
+    for name in ("mamba2", "retnet"):
+        rec = rg.load_spec(name)
+        sizes = {a: 8 for a in rec.spec.batch_axes}
+        sizes.update({rec.spec.time: 4096, rec.spec.lane: 64, rec.spec.state_axis: 64})
+        assert choose(rec, sizes, "auto", None, "cuda")[0] == "matrix", name
+    for name in ("ssd", "hgrn2", "gated_deltanet", "deltanet", "rwkv7"):  # vector decay, delta
+        rec = rg.load_spec(name)
+        sizes = {a: 8 for a in rec.spec.batch_axes}
+        sizes.update({rec.spec.time: 4096, rec.spec.lane: 64, rec.spec.state_axis: 64})
+        assert not matrix_pays(rec, sizes), name
+        assert choose(rec, sizes, "auto", None, "cuda")[0] != "matrix", name
+
+
 @pytest.mark.parametrize("backend", ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)])
 def test_one_step_runs_what_auto_picks(backend):
     """A decode step (L = 1) asked for as ``matrix`` runs what ``auto`` picks there (the decode
