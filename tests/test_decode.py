@@ -18,7 +18,7 @@ from references import gated_deltanet_ref
 
 import mlx_recgen as rg
 from mlx_recgen.backends.mlx_decode import COMPILE_MAX_STATE
-from mlx_recgen.function import DECODE_MAX_STEPS, CallPlan
+from mlx_recgen.function import DECODE_MAX_STEPS
 from mlx_recgen.integrations.mlx_lm import gated_delta
 
 # specs of every kind of tensor: a plain diagonal state (rglru), a vector state (ssd,
@@ -300,7 +300,7 @@ def test_generate_command_decodes_through_the_recurrences(tmp_path, monkeypatch,
 
     from mlx_lm import cli
     from mlx_lm.utils import save_config, save_model
-    from test_mlx_lm_integration import CONFIGS, VOCAB, build
+    from test_mlx_lm_integration import CONFIGS, VOCAB, build, count_plans
 
     from mlx_recgen.integrations import mlx_lm as integration
 
@@ -321,11 +321,8 @@ def test_generate_command_decodes_through_the_recurrences(tmp_path, monkeypatch,
     monkeypatch.setattr(sys, "argv", ["mlx_lm", *arguments])
     cli.main()  # mlx-lm's own
     want = generated(capsys.readouterr().out)
-    calls = []
-    run = CallPlan.run  # every call of a recurrence runs a plan
-    monkeypatch.setattr(CallPlan, "run",
-                        lambda self, inputs, states: calls.append(inputs[0].shape[1])
-                        or run(self, inputs, states))
+    # every call of a recurrence runs a plan (or a kept plan's compiled decode step): its steps
+    calls = count_plans(monkeypatch, lambda plan: dict(plan.sizes)[plan.recurrence.spec.time])
     integration.main(["--backend", "mlx", *arguments])
     out = capsys.readouterr().out
     assert generated(out) == want and len(want.split()) == 12

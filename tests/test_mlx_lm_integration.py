@@ -11,7 +11,6 @@ dtype and shape; every routed call is counted where it runs its ``CallPlan``.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import sys
 
@@ -110,16 +109,41 @@ def models():
 
 @pytest.fixture
 def recurrence_calls(monkeypatch):
-    """Names of the recurrences run during the test: every call runs a plan, whether through
-    ``Recurrence.__call__`` or a plan the integration keeps."""
-    calls = []
-    run = CallPlan.run
+    """Names of the recurrences run during the test (``count_plans``)."""
+    return count_plans(monkeypatch, lambda plan: plan.recurrence.name)
+
+
+def count_plans(monkeypatch, what):
+    """``what(plan)`` of each plan a routed call runs, whether through ``Recurrence.__call__``,
+    a plan the integration keeps, or the compiled decode step of a kept plan
+    (``_gated_delta_step``; its trace's run of the plan not counted again). Kept plans start
+    afresh, so that their steps are made (and counted) here."""
+    import mlx_recgen.integrations.mlx_lm as integration
+
+    calls, in_step = [], []
+    run, make_step = CallPlan.run, integration._gated_delta_step
 
     def counted(self, *args, **kwargs):
-        calls.append(self.recurrence.name)
+        if not in_step:
+            calls.append(what(self))
         return run(self, *args, **kwargs)
 
+    def counted_step(plan, *args, **kwargs):
+        step = make_step(plan, *args, **kwargs)
+
+        def run_step(*arrays):
+            calls.append(what(plan))
+            in_step.append(True)
+            try:
+                return step(*arrays)
+            finally:
+                in_step.pop()
+        return run_step
+
     monkeypatch.setattr(CallPlan, "run", counted)
+    monkeypatch.setattr(integration, "_gated_delta_step", counted_step)
+    monkeypatch.setattr(integration, "_GATED_DELTA_PLANS", type(integration._GATED_DELTA_PLANS)(
+        integration.PLAN_CACHE_SIZE))
     return calls
 
 
@@ -419,14 +443,63 @@ def test_gated_delta_update_arguments(case, backend, recurrence_calls):
     assert routing.routed["gated_delta_update"] == 1 and len(recurrence_calls) == 1
 
 
+@pytest.mark.parametrize("case", ["state", "no state", "state and mask",
+                                  "vector gate, lower bound, mask", "negative eigenvalues"])
+def test_gated_delta_decode_step_compiled_whole(case, monkeypatch):
+    """A decode step whose plan has a compiled decode path runs as one compiled step after the
+    first call (``_gated_delta_step``): the gate, beta, the recurrence and the casts; over
+    several steps, its state fed back, it gives mlx-lm's own results with every option, and
+    values and gradients of the step agree with the routed call before it was compiled."""
+    import mlx_recgen.integrations.mlx_lm as integration
+
+    made = []
+    make = integration._gated_delta_step
+    monkeypatch.setattr(integration, "_gated_delta_step",
+                        lambda *a, **k: made.append(a[2:]) or make(*a, **k))
+    monkeypatch.setattr(integration, "_GATED_DELTA_PLANS", type(integration._GATED_DELTA_PLANS)(
+        integration.PLAN_CACHE_SIZE))
+    args = gated_delta_inputs(T=1, vector_gate=case.startswith("vector"), seed=7)
+    options = {}
+    if "mask" in case:
+        options["mask"] = mx.array([[True], [False]])
+    if "lower bound" in case:
+        options["lower_bound"] = -5.0
+    if case == "negative eigenvalues":
+        options["allow_neg_eigval"] = True
+    state = None if case == "no state" else normal(2, 4, 8, 16, seed=62)
+    own = routed = state
+    with patch(backend="mlx"):
+        for step in range(4):
+            x = {k: v * (1 + 0.1 * step) for k, v in args.items()}  # a new step's inputs
+            want = gated_delta.gated_delta_update.__wrapped__(**x, state=own, **options,
+                                                               use_kernel=False)
+            got = gated_delta.gated_delta_update(**x, state=routed, **options, use_kernel=False)
+            assert_close(got, want, what=f"{case}, step {step}")
+            if state is not None:  # fed back (without a state, every step starts from zero)
+                own, routed = want[1], got[1]
+        # the first call checks and plans; its step is made for the next ones
+        assert len(made) == 1 and made[0][:2] == (state is not None, "mask" in options), made
+        routed = want[1]
+
+        def loss(q, k, v):
+            y, S = gated_delta.gated_delta_update(q, k, v, x["a"], x["b"], x["A_log"],
+                                                  x["dt_bias"], state=routed, **options,
+                                                  use_kernel=False)
+            return (y * y).sum() + (S * S).sum()
+
+        compiled = mx.grad(loss, argnums=(0, 1, 2))(x["q"], x["k"], x["v"])
+    original = mx.grad(lambda q, k, v: sum(
+        (t * t).sum() for t in gated_delta.gated_delta_update(
+            q, k, v, x["a"], x["b"], x["A_log"], x["dt_bias"], state=routed, **options,
+            use_kernel=False)), argnums=(0, 1, 2))(x["q"], x["k"], x["v"])
+    assert_close(compiled, original, what=f"{case}: gradients")
+
+
 def test_gated_delta_update_plan_follows_the_patch(monkeypatch):
     """The routed helper keeps the plan of arguments it checked once; a call with the same
     arguments under another patch (backend, schedule) runs that patch's plan, not the kept
     one."""
-    ran = []
-    run = CallPlan.run
-    monkeypatch.setattr(CallPlan, "run", lambda self, *a: ran.append(
-        (self.backend.name, self.schedule)) or run(self, *a))
+    ran = count_plans(monkeypatch, lambda plan: (plan.backend.name, plan.schedule))
     args = gated_delta_inputs()
     want = gated_delta.gated_delta_update(**args, use_kernel=False)
     for backend, schedule in [("mlx", "sequential"), ("mlx", "matrix"), ("mlx", "sequential"),
