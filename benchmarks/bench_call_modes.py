@@ -4,7 +4,8 @@ process: RG-LRU forward and forward+backward (gradients of ``sum(y * w)``), µs 
 
 * build: building 20 calls' graphs (Python only);
 * queued: 20 calls built, then evaluated together (``bench_peers.py``'s method);
-* prebuilt: the evaluation alone of 20 calls built beforehand;
+* prebuilt: the evaluation alone of 20 calls built beforehand (independent calls: the GPU may
+  overlap them where one leaves it idle, so this understates one call there);
 * async: each call handed to ``mx.async_eval`` as it is built, so Python builds the next while
   the GPU runs this one (as torch's launches overlap the GPU);
 * alone: each call evaluated and waited for before the next is built;
