@@ -448,8 +448,8 @@ def test_gated_delta_update_arguments(case, backend, recurrence_calls):
 def test_gated_delta_decode_step_compiled_whole(case, monkeypatch):
     """A decode step whose plan has a compiled decode path runs as one compiled step after the
     first call (``_gated_delta_step``): the gate, beta, the recurrence and the casts; over
-    several steps, its state fed back, it gives mlx-lm's own results with every option, and
-    values and gradients of the step agree with the routed call before it was compiled."""
+    several steps, its state fed back, it gives mlx-lm's own results with every option, also
+    inside ``mx.compile`` of a model's step, and its gradients agree with mlx-lm's own."""
     import mlx_recgen.integrations.mlx_lm as integration
 
     made = []
@@ -480,6 +480,12 @@ def test_gated_delta_decode_step_compiled_whole(case, monkeypatch):
         # the first call checks and plans; its step is made for the next ones
         assert len(made) == 1 and made[0][:2] == (state is not None, "mask" in options), made
         routed = want[1]
+        # inside mx.compile of a model's step too (the kept step, called with tracers)
+        inside = mx.compile(lambda q, k, v: gated_delta.gated_delta_update(
+            q, k, v, x["a"], x["b"], x["A_log"], x["dt_bias"], state=state, **options,
+            use_kernel=False))(x["q"], x["k"], x["v"])
+        assert_close(inside, gated_delta.gated_delta_update.__wrapped__(
+            **x, state=state, **options, use_kernel=False), what=f"{case}: under mx.compile")
 
         def loss(q, k, v):
             y, S = gated_delta.gated_delta_update(q, k, v, x["a"], x["b"], x["A_log"],
