@@ -430,13 +430,7 @@ def _gated_delta_update(options, /, q, k, v, a, b, A_log, dt_bias, state=None, m
         _require(v.shape[2] % k.shape[2] == 0, "value heads are not a multiple of the key heads")
         _require(all(_is_array(t) for t in (a, b, A_log, dt_bias)),
                  "a, b, A_log, dt_bias are not float arrays")
-    beta = mx.sigmoid(b)
-    if allow_neg_eigval:
-        beta = beta * 2.0
-    if lower_bound is None:
-        g = _decay(A_log, a, dt_bias)
-    else:
-        g = _bounded_decay(A_log, a, dt_bias, lower_bound)
+    g, beta = _gate_and_beta(a, b, A_log, dt_bias, lower_bound, allow_neg_eigval)
     args = [q, k, v, g, beta] if mask is None else [q, k, v, g, beta, mask]
     if known is None:
         batch, T, Hk, Dk = k.shape
@@ -468,12 +462,26 @@ def _gated_delta_update(options, /, q, k, v, a, b, A_log, dt_bias, state=None, m
         _evaluate_for_simulator([*args, *states])
     (y,), (S,) = known.plan.run(args, states)
     # mlx-lm's Metal kernel where it would run (use_kernel, Dk a multiple of 32, on Metal)
-    kernel = known.may_kernel and _on_metal()
-    if kernel and mask is not None:  # mlx-lm's kernel writes zeros at masked steps
+    return _as_mlx_lm_returns(y, S, q, state, mask, known.may_kernel and _on_metal())
+
+
+def _gate_and_beta(a, b, A_log, dt_bias, lower_bound, allow_neg_eigval):
+    """The recurrence's gate and ``beta`` from mlx-lm's ``a``, ``b``, ``A_log``, ``dt_bias``."""
+    beta = mx.sigmoid(b)
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    if lower_bound is None:
+        return _decay(A_log, a, dt_bias), beta
+    return _bounded_decay(A_log, a, dt_bias, lower_bound), beta
+
+
+def _as_mlx_lm_returns(y, S, q, state, mask, kernel):
+    """``(y, S)`` as mlx-lm's ``gated_delta_update`` returns them: ``kernel``, where its Metal
+    kernel would run, writes zeros at masked steps and keeps the state's dtype; its MLX ops
+    promote the state with the fp32 decay."""
+    if kernel and mask is not None:
         y = mx.where(mask[..., None, None], y, 0)
-    # the kernel keeps the state's dtype; the MLX ops promote it with the fp32 decay
-    state_dtype = state.dtype if kernel and state is not None else mx.float32
-    return y.astype(q.dtype), S.astype(state_dtype)
+    return y.astype(q.dtype), S.astype(state.dtype if kernel and state is not None else mx.float32)
 
 
 class _GatedDeltaPlan(NamedTuple):
@@ -494,20 +502,15 @@ def _gated_delta_step(plan, state_shape, has_state, masked, allow_neg_eigval, lo
     (``q, k, v, a, b, A_log, dt_bias[, state][, mask]``): the gate and ``beta`` from mlx-lm's
     inputs, the plan's decode path, and the results in mlx-lm's dtypes, what the routed call
     does op by op, with one dispatch and the elementwise work fused (a tiny Qwen3-Next's step on
-    a 2-core CPU: 54 against 66 µs, mlx-lm's own 83; docs/mlx-lm.md). ``kernel``: mlx-lm's Metal
-    kernel would run (its zeros at masked steps, the state in its own dtype)."""
+    a 2-core CPU: 61 against 66-70 µs, mlx-lm's own 88; docs/calls.md). ``kernel``: mlx-lm's
+    Metal kernel would run (``_as_mlx_lm_returns``)."""
     def step(q, k, v, a, b, A_log, dt_bias, *rest):
-        state = rest[0] if has_state else mx.zeros(state_shape, mx.float32)
+        state = rest[0] if has_state else None
         mask = rest[-1] if masked else None
-        beta = mx.sigmoid(b)
-        if allow_neg_eigval:
-            beta = beta * 2.0
-        g = (_decay(A_log, a, dt_bias) if lower_bound is None
-             else _bounded_decay(A_log, a, dt_bias, lower_bound))
-        (y,), (S,) = plan.run([q, k, v, g, beta, *([] if mask is None else [mask])], [state])
-        if kernel and masked:  # mlx-lm's kernel writes zeros at masked steps
-            y = mx.where(mask[..., None, None], y, 0)
-        return y.astype(q.dtype), S.astype(state.dtype if kernel and has_state else mx.float32)
+        g, beta = _gate_and_beta(a, b, A_log, dt_bias, lower_bound, allow_neg_eigval)
+        (y,), (S,) = plan.run([q, k, v, g, beta, *([] if mask is None else [mask])],
+                              [mx.zeros(state_shape, mx.float32) if state is None else state])
+        return _as_mlx_lm_returns(y, S, q, state, mask, kernel)
 
     return mx.compile(step)
 
