@@ -510,10 +510,10 @@ class ScanPasses:
         if sch.lookback:
             tiles = segments * sch.groups_per_instance * math.prod(
                 sizes[a] for a in spec.batch_axes)
-            floats = scan_map_floats(b.rec.affine) + sum(t.components for t in spec.states.values())
+            n = ScanRenderer.lookback_words(b.rec.affine, spec, tiles, sch.lane_block)
             # 64-bit words as pairs of 32-bit zeros: MLX's fill of 64-bit ones took 15-20 µs for
             # 1.2 MB on an H200
-            words = [mx.zeros((2 * (1 + tiles * floats * sch.lane_block),), dtype=mx.uint32)]
+            words = [mx.zeros((2 * n,), dtype=mx.uint32)]
         results = b.launch(key, sizes, build)([*map(_as_buffer, inputs), *states, *words])
         n_out, n_state = len(spec.outputs), len(spec.states)
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),

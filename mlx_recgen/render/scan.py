@@ -34,7 +34,7 @@ state slot ``k`` its offset ``v<k>``. Threadgroup memory holds two passes' total
 from __future__ import annotations
 
 from ..ir import free_symbols
-from ..schedule import SEGMENTS
+from ..schedule import SEGMENTS, scan_map_floats
 from ..spec import Slot
 from .kernels import (KernelRenderer, StepWriter, _commit_state, _forward_route, _without_outputs,
                       environment, met_zero_hit)
@@ -162,6 +162,14 @@ class ScanRenderer(KernelRenderer):
     def _total(pass_index, simdgroup, field: int) -> str:
         """A simdgroup's total in threadgroup memory: one field of its map, for lane ``lb``."""
         return f"totals[(({pass_index} * SIMDS + {simdgroup}) * MAPF + {field}) * LB + lb]"
+
+    @staticmethod
+    def lookback_words(form, spec, stretches: int, lane_block: int) -> int:
+        """64-bit words of the look-back's ``scan_words`` for ``stretches`` groups along time
+        (all lane blocks): the ticket counter, then per stretch and lane its map's floats
+        (``scan_map_floats``, zero hits included) and its end state's (``_lookback``)."""
+        floats = scan_map_floats(form) + sum(t.components for t in spec.states.values())
+        return 1 + stretches * floats * lane_block
 
     def _lookback(self, shared) -> dict:
         """The forward pass's look-back (``Schedule.lookback``): lines run by one thread per
