@@ -70,7 +70,9 @@ MAX_CHUNK = 64  # the largest chunk whose [C, C] weights fit group memory beside
 # The kernels that read their per-step factors where they lie, ``(*batch, T, X)`` at any strides
 # (``matrix_strided.j2``): a factor that is an input in the spec's layout (GLA's q, k, v, as
 # ``(B, H, T, K)`` views of ``[B, L, H, K]``) or a broadcast is not copied first. Their other
-# inputs are row-contiguous as passed
+# inputs are row-contiguous as passed. They take the steps from a factor's shape, a kernel
+# argument: read from device memory (a ``dims`` array, as the other kernels do), every index
+# of the kernel waited on that load (9% of the chunk-gradients kernel's warp time on an H100)
 STRIDED = ("states", "adjoint", "outputs", "chunk_gradients", *WALK_KINDS)
 # Where the readouts run as MLX's matmuls around the weights kernel instead of in the outputs
 # kernel, per backend: none. CUDA ran them so (an H100: GLA B8 H16 L4096 forward 2.40 against
@@ -147,7 +149,7 @@ class MatrixKernels:
         signs = ["sign"] if shape.signed else []
         if kind == "outputs":
             body, outs = r.outputs(), ["out"]
-            ins = ["c", "a", "b", "log_d", *signs, "states", "dims"]
+            ins = ["c", "a", "b", "log_d", *signs, "states"]
         elif kind == "weights":
             body, outs = r.weights(adjoint=False), ["weights"]
             ins = ["scores", "log_d", *signs, "dims"]
@@ -161,17 +163,17 @@ class MatrixKernels:
             outs = ["dc", "da", "db", "row_c", "row_a"]
         elif kind == "chunk_gradients":
             body = r.chunk_gradients()
-            ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving", "dims"]
+            ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving"]
             outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
         elif kind in WALK_KINDS:
             body = r.walk(reverse=kind == "adjoint_walk")
-            ins, outs = ["x", "y", "log_d", *signs, "init", "dims"], ["states", "last"]
+            ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
             ins, outs = ["local", "decay", "init", "dims"], ["states", "last"]
         else:
             body = r.states(reverse=kind == "adjoint")
-            ins, outs = ["x", "y", "log_d", *signs, "dims"], ["local", "decay"]
+            ins, outs = ["x", "y", "log_d", *signs], ["local", "decay"]
         header = r.header(kind)
         return kernel_name("matrix", kind, header, body, ins, outs), ins, outs, body, header
 
@@ -215,14 +217,13 @@ class MatrixKernels:
             threads = group_threads("walk")
             return self._kernel(shape, "adjoint_walk" if reverse else "walk")(
                 # the initial state read row-contiguous (the walk reads x and y where they lie)
-                inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init),
-                        mx.array([T], dtype=mx.int32)],
+                inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init)],
                 grid=(I * _tile_count(K, V, shape.walk_tiles) * threads, 1, 1),
                 threadgroup=(threads, 1, 1),
                 output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32] * 2)
         tiles = _tile_count(K, V, shape.state_tiles)
         local, decay = self._kernel(shape, "adjoint" if reverse else "states")(
-            inputs=[x, y, log_d, *_signs(sign), mx.array([T], dtype=mx.int32)],
+            inputs=[x, y, log_d, *_signs(sign)],
             grid=(I * nc * tiles * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, nc, K, V), (I, nc)], output_dtypes=[mx.float32, mx.float32])
         elements = -(-(I * K * V) // THREADS) * THREADS
@@ -240,7 +241,7 @@ class MatrixKernels:
         nc = -(-T // shape.C)
         groups = I * nc * -(-V // shape.VT)
         return self._kernel(shape, "outputs")(
-            inputs=[c, a, b, log_d, *_signs(sign), starts, mx.array([T], dtype=mx.int32)],
+            inputs=[c, a, b, log_d, *_signs(sign), starts],
             grid=(groups * group_threads("outputs"), 1, 1),
             threadgroup=(group_threads("outputs"), 1, 1),
             output_shapes=[(I, T, V)], output_dtypes=[mx.float32])[0]
@@ -283,8 +284,7 @@ class MatrixKernels:
         nc = -(-T // shape.C)
         threads = group_threads("chunk_gradients")
         return self._kernel(shape, "chunk_gradients")(
-            inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving,
-                    mx.array([T], dtype=mx.int32)],
+            inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving],
             grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T), (I, T), (I, nc), (I, T)],
             output_dtypes=[mx.float32] * 7)

@@ -218,9 +218,10 @@ __device__ inline unsigned recgen_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
-// element (r, c) of op(X): X row-major with leading dimension ld, transposed where tr
-__device__ inline float recgen_at(const float* x, int ld, bool tr, int r, int c) {
-  return tr ? x[c * ld + r] : x[r * ld + c];
+// the offset of element (r, c) of op(X) from X: X row-major with leading dimension ld,
+// transposed where tr
+__device__ inline int recgen_at(int ld, bool tr, int r, int c) {
+  return tr ? c * ld + r : r * ld + c;
 }
 // D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in shared memory (row-major,
 // leading dimensions lda, ldb, ldd; op transposes where TA / TB), called by all ``threads`` of
@@ -239,25 +240,30 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
   const int lane = int(tid & 31u), g = lane >> 2, t = lane & 3;
   for (unsigned strip = tid >> 5; strip < unsigned((M / 16) * STRIPS); strip += threads >> 5) {
     const int i = int(strip / STRIPS) * 16, j0 = int(strip % STRIPS) * 8 * NB;
+    // this lane's first element of each operand, op(A)(i + g, t), op(B)(t, j0 + g) and
+    // D(i + g, j0 + 2t): every other one it reads lies a constant offset from these (lda, ldb,
+    // ldd are the callers' constants), so a load is one instruction with its offset folded in
+    const float* a = A + recgen_at(lda, TA, i + g, t);
+    const float* b = B + recgen_at(ldb, TB, t, j0 + g);
+    float* d = D + (i + g) * ldd + j0 + 2 * t;
     float c[NB][4];
 #pragma unroll
     for (int n = 0; n < NB; ++n) {
-      const float* d0 = D + (i + g) * ldd + j0 + 8 * n + 2 * t;
-      c[n][0] = ACC ? d0[0] : 0.0f;
-      c[n][1] = ACC ? d0[1] : 0.0f;
-      c[n][2] = ACC ? d0[8 * ldd] : 0.0f;
-      c[n][3] = ACC ? d0[8 * ldd + 1] : 0.0f;
+      c[n][0] = ACC ? d[8 * n] : 0.0f;
+      c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
+      c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
+      c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
     }
 #pragma unroll
     for (int k = 0; k < K; k += 8) {
-      const unsigned a0 = recgen_tf32(recgen_at(A, lda, TA, i + g, k + t));
-      const unsigned a1 = recgen_tf32(recgen_at(A, lda, TA, i + g + 8, k + t));
-      const unsigned a2 = recgen_tf32(recgen_at(A, lda, TA, i + g, k + t + 4));
-      const unsigned a3 = recgen_tf32(recgen_at(A, lda, TA, i + g + 8, k + t + 4));
+      const unsigned a0 = recgen_tf32(a[recgen_at(lda, TA, 0, k)]);
+      const unsigned a1 = recgen_tf32(a[recgen_at(lda, TA, 8, k)]);
+      const unsigned a2 = recgen_tf32(a[recgen_at(lda, TA, 0, k + 4)]);
+      const unsigned a3 = recgen_tf32(a[recgen_at(lda, TA, 8, k + 4)]);
 #pragma unroll
       for (int n = 0; n < NB; ++n) {
-        const unsigned b0 = recgen_tf32(recgen_at(B, ldb, TB, k + t, j0 + 8 * n + g));
-        const unsigned b1 = recgen_tf32(recgen_at(B, ldb, TB, k + t + 4, j0 + 8 * n + g));
+        const unsigned b0 = recgen_tf32(b[recgen_at(ldb, TB, k, 8 * n)]);
+        const unsigned b1 = recgen_tf32(b[recgen_at(ldb, TB, k + 4, 8 * n)]);
         asm volatile(
             "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
             "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
@@ -267,11 +273,10 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
     }
 #pragma unroll
     for (int n = 0; n < NB; ++n) {
-      float* d0 = D + (i + g) * ldd + j0 + 8 * n + 2 * t;
-      d0[0] = c[n][0];
-      d0[1] = c[n][1];
-      d0[8 * ldd] = c[n][2];
-      d0[8 * ldd + 1] = c[n][3];
+      d[8 * n] = c[n][0];
+      d[8 * n + 1] = c[n][1];
+      d[8 * ldd + 8 * n] = c[n][2];
+      d[8 * ldd + 8 * n + 1] = c[n][3];
     }
   }
 }
