@@ -9,7 +9,9 @@ checks a sample of chunks against loops on the host.
 
 ``--instances`` is batch times heads (GLA B8 H16: 128), ``--T`` the steps, ``--K``/``--V`` the
 state. The states kernel takes ``x = a``, ``y = b``; the outputs kernel reads the states kernel's
-local states as the states entering each chunk (any values serve to time and check it). Inputs
+local states as the states entering each chunk (any values serve to time and check it). The
+states and outputs kernels read their factors as row-contiguous ``(I, T, X)`` arrays given with
+their shapes and strides, as MLX passes them. Inputs
 are uniform in [-1, 1], ``log d`` in [-0.5, 0]. Bytes are those each kernel must move at least
 (its inputs read once, its outputs written once).
 """
@@ -53,6 +55,15 @@ template <typename F> float timed(F launch) {
   }
   return best * 1e3f;  // µs
 }
+// a row-contiguous (I, T, X) array as the strided kernels take it: shape, strides, rank
+struct Rows { Shape shape; Strides strides; int ndim; };
+Rows rows(int64_t I, int64_t T, int64_t X) {
+  Rows r{};
+  r.shape[0] = int(I); r.shape[1] = int(T); r.shape[2] = int(X);
+  r.strides[0] = T * X; r.strides[1] = X; r.strides[2] = 1;
+  r.ndim = 3;
+  return r;
+}
 std::vector<float> host(const float* d, int64_t n) {
   std::vector<float> h(n);
   cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost);
@@ -84,11 +95,15 @@ int main() {
     cudaFuncSetAttribute(states_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, states_smem);
   if (outputs_smem > 48000)
     cudaFuncSetAttribute(outputs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, outputs_smem);
+  const Rows rk = rows(I, T, K), rv = rows(I, T, V);
   const float states_us = timed([&] {
-    states_kernel<<<@STATES_GROUPS@, @THREADS@, states_smem>>>(a, b, log_d, @SIGN@dims, local, decay);
+    states_kernel<<<@STATES_GROUPS@, @THREADS@, states_smem>>>(
+        a, rk.shape, rk.strides, rk.ndim, b, rv.shape, rv.strides, rv.ndim, log_d, @SIGN@local, decay);
   });
   const float outputs_us = timed([&] {
-    outputs_kernel<<<@OUTPUTS_GROUPS@, @OUTPUT_THREADS@, outputs_smem>>>(c, a, b, log_d, @SIGN@local, dims, out);
+    outputs_kernel<<<@OUTPUTS_GROUPS@, @OUTPUT_THREADS@, outputs_smem>>>(
+        c, rk.shape, rk.strides, rk.ndim, a, rk.shape, rk.strides, rk.ndim, b, rv.shape, rv.strides,
+        rv.ndim, log_d, @SIGN@local, out);
   });
   const float weights_us = timed([&] {
     weights_kernel<<<I * nc, @THREADS@>>>(scores, log_d, @SIGN@dims, w);
