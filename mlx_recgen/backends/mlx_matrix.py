@@ -83,6 +83,9 @@ def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> 
     return Program(statements, frozenset(ir.vector))
 
 
+_NO_SIGN = mx.array(1.0)  # the kernels' core's sign where the decay is known positive
+
+
 def _add_to(sums: dict, key, y):
     """``sums[key] += y``, starting from ``y`` itself (not from 0 + y, a pass of its own)."""
     sums[key] = y if key not in sums else sums[key] + y
@@ -550,9 +553,10 @@ class MatrixForm(SequentialForm):
         lead = lambda x: mx.broadcast_to(x, (*batch, T, x.shape[-1]))
         flat = lambda x: mx.contiguous(lead(x)).reshape(-1, T, x.shape[-1])
         log_d = flat(log_d)[..., 0]
-        # the core reads the sign for a signed shape only (any array stands in otherwise); a
-        # zero multiplier counts as positive: its floored log erases the state anyway
-        sign = log_d if st.positive else \
+        # the core reads the sign for a signed shape only; a constant stands in otherwise (not
+        # log d: its zero cotangent would be filled and added to log d's); a zero multiplier
+        # counts as positive: its floored log erases the state anyway
+        sign = _NO_SIGN if st.positive else \
             flat(sign_of(f[("decay", s, None, None)]))[..., 0]
         y, S, _ = core(lead(c), lead(a), lead(b), log_d, sign, S0.reshape(-1, K, V))
         return y.reshape(*batch, T, V), S.reshape(*batch, K, V)
