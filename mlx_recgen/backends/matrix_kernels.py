@@ -23,8 +23,7 @@ differentiates it; the core's VJP is
   gradients kernel adds the products up and sums the rows that carry the cotangents of
   ``exp(R)`` and ``exp(Λ_C - Λ)``, which MLX's VJP takes back onto ``log d`` through their
   sums, as that of ``exp(Λ_C)``. The one kernel forms the same sums from the scores it keeps
-  in group memory (``render/matrix.py``) and takes them onto ``log d`` itself: each
-  exponent's cotangent summed over the steps of its range.
+  in group memory (``render/matrix.py``); MLX's VJP of the exponentials is shared.
 
 Its forward-mode rule differentiates the same chunk form in MLX ops (``core_in_ops``); a
 second derivative and ``mx.vmap`` raise (the kernels have neither).
@@ -165,7 +164,7 @@ class MatrixKernels:
         elif kind == "chunk_gradients":
             body = r.chunk_gradients()
             ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving"]
-            outs = ["dc", "da", "db", "d_log_d"]
+            outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
         elif kind in WALK_KINDS:
             body = r.walk(reverse=kind == "adjoint_walk")
             ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
@@ -275,11 +274,10 @@ class MatrixKernels:
         return outs if adjoint else outs[0]
 
     def chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving):
-        """The chunks' backward in one kernel: ``(dc, da, db)`` ``(I, T, X)`` and the cotangent
-        of ``log d`` ``(I, T)``, through the causal weights and through ``exp(R)``,
-        ``exp(Λ_C - Λ)`` and ``exp(Λ_C)`` (from the rows' ``Σ_k c (dy Sᵀ)``, ``Σ_k a (b Gᵀ)``
-        and each chunk's ``Σ S ∘ G``, summed over the exponents' ranges in the kernel: as MLX's
-        VJP of ``_exponentials`` does, without its dozen passes over ``(I, T)`` arrays);
+        """The chunks' backward in one kernel: ``(dc, da, db)`` ``(I, T, X)``, the rows' sums
+        that carry the cotangents of ``exp(R)`` and ``exp(Λ_C - Λ)`` (``Σ_k c (dy Sᵀ)``,
+        ``Σ_k a (b Gᵀ)``, ``(I, T)``), each chunk's ``Σ S ∘ G`` (that of ``exp(Λ_C)``,
+        ``(I, nc)``) and the cotangent of ``log d`` through the causal weights ``(I, T)``;
         ``c``, ``a``, ``b``, ``dy`` are ``(*batch, T, X)`` at any strides."""
         T, K = c.shape[-2:]
         I, V = math.prod(c.shape[:-2]), b.shape[-1]
@@ -288,8 +286,8 @@ class MatrixKernels:
         return self._kernel(shape, "chunk_gradients")(
             inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving],
             grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T)],
-            output_dtypes=[mx.float32] * 4)
+            output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T), (I, T), (I, nc), (I, T)],
+            output_dtypes=[mx.float32] * 7)
 
     def gradients(self, shape, cc, ac, dy_S, dW_a, dW_c, b_G, a_G, W_dy, e_row, e_end):
         """``(dc, da, db, Σ_k c dy_S, Σ_k a b_G)`` by chunk from the products (``(I, nc, C, X)``)
@@ -422,8 +420,14 @@ class MatrixKernels:
 
     def _chunk_gradients_in_one(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk,
-        all the chunk-gradients kernel's."""
-        return self.chunk_gradients(shape, c, a, b, dy, log_d, sign, starts, leaving)
+        the chunk-gradients kernel's; MLX takes the exponentials' cotangents onto ``log d``."""
+        dc, da, db, row_c, row_a, whole, d_log_d = self.chunk_gradients(
+            shape, c, a, b, dy, log_d, sign, starts, leaving)
+        chunks = MatrixChunks(log_d.shape[-1], shape.C, 1)
+        d_lam = _through_exponentials(shape, chunks, log_d, sign,
+                                      *(chunks.cut(x[..., None]) for x in (row_c, row_a)),
+                                      whole[..., None, None])
+        return dc, da, db, d_lam + d_log_d
 
     def _chunk_gradients(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
