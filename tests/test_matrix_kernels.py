@@ -22,6 +22,7 @@ from references import gla_ref, ssd_ref
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.backends.mlx_source import without_mlx_header
 from test_matrix import _assert_matches
+import test_zoo
 from test_zoo import _draw, _from_spec, _reference, _to_spec
 
 SCALAR_DECAY_ZOO = ["mamba2", "retnet"]  # the zoo's matrix specs of scalar decay, besides gla
@@ -307,6 +308,39 @@ def test_cuda_padding_and_tiles_in_group_memory(kernel_calls, monkeypatch):
     assert {s.state_tiles for s in kernel_calls} == {(64, 32)}
     text = mk.MatrixRenderer(kernels.dialect, kernel_calls[0]).states(False)
     assert f"LDX = {64 + cuda_pads[1]}" in text
+
+
+@pytest.mark.parametrize("name, L, seg", [("gla", 150, 64), ("mamba2", 100, 48)])
+def test_the_chunk_gradients_kernel_at_chunks_past_one_simdgroup(name, L, seg, kernel_calls,
+                                                                 monkeypatch):
+    """At chunks of more than 32 steps only CUDA's group memory holds the chunk-gradients
+    kernel (two simdgroups of a chunk's steps, two of each row's columns); the simulator runs it
+    with as much group memory as CUDA gives (GLA: a decay of either sign and the readout after
+    the update; Mamba-2: a positive decay and grouped B and C)."""
+    from mlx_recgen.sim import kernel as sim_kernel
+
+    kernels = mk.matrix_kernels("metal-sim")
+    cuda = mk.DIALECTS["cuda"]
+    monkeypatch.setattr(kernels, "dialect", dataclasses.replace(
+        kernels.dialect, shared_bytes=cuda.dynamic_shared_bytes))
+    monkeypatch.setattr(sim_kernel, "THREADGROUP_BYTES", cuda.dynamic_shared_bytes)
+    monkeypatch.setattr(kernels, "_kernels", type(kernels._kernels)(8))
+    monkeypatch.setattr(kernels, "_cores", type(kernels._cores)(8))
+    mx.random.seed(L)
+    if name == "gla":
+        b, H, K, V = 2, 2, 20, 12
+        q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
+        v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+        g = mx.random.uniform(0.7, 1.0, (b, L, H)) * mx.where(
+            mx.random.uniform(shape=(b, L, H)) < 0.2, -1.0, 1.0)
+        _assert_gla_matches("metal-sim", q, k, v, g, S0, seg=seg, tol=TOL)
+    else:
+        monkeypatch.setattr(test_zoo, "L", L)
+        inputs, states = _draw(name)
+        _assert_matches(_run(name, "metal-sim", seg), lambda i, s: _reference(name, i, s),
+                        inputs, states, tol=TOL)
+    assert kernel_calls and all(s.C == seg and s.gradient_tiles is not None
+                                for s in kernel_calls)
 
 
 def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():

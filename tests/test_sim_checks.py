@@ -264,3 +264,25 @@ def test_address_space_mismatch():
     assert "address-space" in str(e.value) and "device float *" in str(e.value)
     names = str(e.value)
     assert "custom_kernel_aspace" in names
+
+
+def test_threadgroup_memory_beyond_metals_32_kib(monkeypatch):
+    """A group declaring more than Metal's 32 KiB of threadgroup memory fails, unless the
+    simulator is told to allow more (``sim.kernel.THREADGROUP_BYTES``: tests of kernels tiled
+    for CUDA's larger group memory)."""
+    from mlx_recgen.sim import kernel as sim_kernel
+
+    src = """
+        threadgroup float big[9000];  // 36000 bytes
+        uint t = thread_index_in_threadgroup;
+        big[t] = x[t];
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[t] = big[63 - t];
+    """
+    with pytest.raises(sim.KernelRuntimeError) as e:
+        run("tg_bytes", src)
+    assert "exceeds the 32768 bytes a threadgroup may use" in str(e.value)
+    monkeypatch.setattr(sim_kernel, "THREADGROUP_BYTES", 40000)
+    x = mx.array(rng.standard_normal(64).astype(np.float32))
+    out = run("tg_bytes", src, inputs=x)[0]
+    assert np.array_equal(np.array(out), np.array(x)[::-1])

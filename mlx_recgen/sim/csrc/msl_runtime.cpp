@@ -42,7 +42,7 @@ enum TState { kRunnable = 0, kWaitColl = 1, kWaitBarrier = 2, kDone = 3, kAborte
 constexpr size_t kStackSize = 256 * 1024;
 constexpr size_t kGuard = 4096;
 constexpr uint32_t kMaxThreads = 1024;
-constexpr uint64_t kMaxTgBytes = 32768;
+constexpr uint64_t kMaxTgBytes = 32768;  // Metal's, unless a launch allows more
 
 #if defined(__x86_64__)
 extern "C" void msl_ctx_swap(void** save_sp, void* new_sp);
@@ -123,6 +123,7 @@ struct LaunchDesc {
   uint64_t same_value_stores;  // out: how many same-value stores were let through
   char* warn;                  // out: the first of them, described
   int32_t warnlen;
+  uint64_t threadgroup_bytes;  // the threadgroup memory a group may declare; 0: Metal's 32 KiB
 };
 }
 
@@ -580,10 +581,12 @@ Buf* msl_rt_find_buf(const void* p) {
 }
 
 Buf* msl_rt_tg_alloc(const char* name, uint64_t nbytes, uint32_t esize) {
-  if (g_rt.tg_bytes + nbytes > kMaxTgBytes) {
-    fail_here(kErrOther, fmt("threadgroup memory `%s` (%llu bytes) exceeds the 32 KiB a "
+  const uint64_t limit = g_rt.desc->threadgroup_bytes ? g_rt.desc->threadgroup_bytes : kMaxTgBytes;
+  if (g_rt.tg_bytes + nbytes > limit) {
+    fail_here(kErrOther, fmt("threadgroup memory `%s` (%llu bytes) exceeds the %llu bytes a "
                              "threadgroup may use (%llu bytes already declared)",
-                             name, (unsigned long long)nbytes, (unsigned long long)g_rt.tg_bytes));
+                             name, (unsigned long long)nbytes, (unsigned long long)limit,
+                             (unsigned long long)g_rt.tg_bytes));
   }
   g_rt.tg_bytes += nbytes;
   char* mem = (char*)malloc(nbytes ? nbytes : 1);
