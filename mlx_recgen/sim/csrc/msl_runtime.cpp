@@ -42,7 +42,6 @@ enum TState { kRunnable = 0, kWaitColl = 1, kWaitBarrier = 2, kDone = 3, kAborte
 constexpr size_t kStackSize = 256 * 1024;
 constexpr size_t kGuard = 4096;
 constexpr uint32_t kMaxThreads = 1024;
-constexpr uint64_t kMaxTgBytes = 32768;  // Metal's, unless a launch allows more
 
 #if defined(__x86_64__)
 extern "C" void msl_ctx_swap(void** save_sp, void* new_sp);
@@ -123,7 +122,7 @@ struct LaunchDesc {
   uint64_t same_value_stores;  // out: how many same-value stores were let through
   char* warn;                  // out: the first of them, described
   int32_t warnlen;
-  uint64_t threadgroup_bytes;  // the threadgroup memory a group may declare; 0: Metal's 32 KiB
+  uint64_t threadgroup_bytes;  // the threadgroup memory a group may declare (Metal: 32 KiB)
 };
 }
 
@@ -581,7 +580,7 @@ Buf* msl_rt_find_buf(const void* p) {
 }
 
 Buf* msl_rt_tg_alloc(const char* name, uint64_t nbytes, uint32_t esize) {
-  const uint64_t limit = g_rt.desc->threadgroup_bytes ? g_rt.desc->threadgroup_bytes : kMaxTgBytes;
+  const uint64_t limit = g_rt.desc->threadgroup_bytes;
   if (g_rt.tg_bytes + nbytes > limit) {
     fail_here(kErrOther, fmt("threadgroup memory `%s` (%llu bytes) exceeds the %llu bytes a "
                              "threadgroup may use (%llu bytes already declared)",
