@@ -42,7 +42,8 @@ class Dialect:
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
     # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
     # recgen_copy4_to_group(dst, src, n): four floats, the first n of src (0 <= n <= 4) and
-    # zeros after, where recgen_aligned16(src) holds and dst is 16-byte aligned
+    # zeros after, where recgen_aligned16(src) holds and dst is 16-byte aligned; recgen_load4(p) and
+    # recgen_store4(p, x): four floats of group or device memory at p, 16-byte aligned
     group_copy_prelude: str = ""
     # the qualifier that aligns a declared group array to 16 bytes (the four-float copies' rows)
     shared_align: str = ""
@@ -135,6 +136,21 @@ inline bool recgen_aligned16(Source) {
   return true;
 }
 inline void recgen_group_copies_done() {}
+// four floats of a tile's row, read or written as one (plain accesses: any float's address will do)
+template <typename P>
+inline float4 recgen_load4(P p) {
+  return float4(p[0], p[1], p[2], p[3]);
+}
+template <typename P>
+inline void recgen_store4(P p, float4 x) {
+  p[0] = x.x;
+  p[1] = x.y;
+  p[2] = x.z;
+  p[3] = x.w;
+}
+inline float4 recgen_zeros4() {
+  return float4(0.0f);
+}
 """,
     math={k: ("metal::" + v if not v.startswith("recgen_") else v) for k, v in _COMMON_MATH.items()},
     prelude="""\
@@ -301,6 +317,16 @@ __device__ inline bool recgen_aligned16(const float* p) {
 }
 __device__ inline void recgen_group_copies_done() {
   asm volatile("cp.async.wait_all;\\n" ::);
+}
+// four floats of a tile's row, read or written as one 16-byte access (p 16-byte aligned)
+__device__ inline float4 recgen_load4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ inline void recgen_store4(float* p, float4 x) {
+  *reinterpret_cast<float4*>(p) = x;
+}
+__device__ inline float4 recgen_zeros4() {
+  return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 """,
     shared_align="__align__(16) ",

@@ -139,15 +139,21 @@ class GroupMemory:
 
     @property
     def bytes(self) -> int:
-        return 4 * sum(floats for *_, floats in self.arrays)
+        return 4 * sum(_aligned(floats) for *_, floats in self.arrays)
 
     def placed(self) -> list:
-        """``(name, size, offset in floats)`` of each array."""
+        """``(name, size, offset in floats)`` of each array, each 16-byte aligned (the passes
+        over tiles read and write four floats at a time, ``recgen_load4``)."""
         out, offset = [], 0
         for name, size, floats in self.arrays:
             out.append((name, size, offset))
-            offset += floats
+            offset += _aligned(floats)
         return out
+
+
+def _aligned(floats: int) -> int:
+    """``floats`` rounded up to whole 16-byte words."""
+    return -(-floats // 4) * 4
 
 
 def _step_arrays(kind: str, C: int, signed: bool) -> list:
