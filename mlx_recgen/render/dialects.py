@@ -101,7 +101,7 @@ METAL = Dialect(
 // D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in threadgroup memory (row-major,
 // leading dimensions lda, ldb, ldd; op transposes where TA / TB), called by all ``threads`` of
 // the threadgroup (``tid``: this one): 8 x 8 tiles of D dealt to the simdgroups in turn, each a chain of simdgroup_multiply_accumulate over K (fp32 throughout).
-template <int M, int N, int K, bool TA, bool TB, bool ACC>
+template <int M, int N, int K, bool TA, bool TB, bool ACC, int WARPS = 8>  // (CUDA's strips)
 inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A, int lda,
                       const threadgroup float* B, int ldb, uint tid, uint threads) {
   for (uint tile = tid / 32; tile < uint((M / 8) * (N / 8)); tile += threads / 32) {
@@ -245,13 +245,14 @@ __device__ inline int recgen_at(int ld, bool tr, int r, int c) {
 // and accumulation in fp32 (sm_80 and later). Lane (g, t) = (lane / 4, lane % 4) holds A at
 // rows g, g + 8 and columns t, t + 4, B at rows t, t + 4 and column g, D at rows g, g + 8 and
 // columns 2t, 2t + 1 (PTX ISA, "Matrix Fragments for mma.m16n8k8").
-template <int M, int N, int K, bool TA, bool TB, bool ACC>
+template <int M, int N, int K, bool TA, bool TB, bool ACC, int WARPS = 8>
 __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, const float* B,
                                  int ldb, unsigned tid, unsigned threads) {
   // a warp takes a strip of NB tiles side by side: A's fragment is loaded once for all of them;
-  // four where that still makes a strip for each of 8 warps, else two (a [64, 32] product in
-  // strips of four left half of a group's 8 warps idle)
-  constexpr int NB = (N / 8) % 4 == 0 && (M / 16) * (N / 32) >= 8 ? 4 : ((N / 8) % 2 == 0 ? 2 : 1);
+  // four where that still makes a strip for each of the group's WARPS warps, else two (a
+  // [64, 32] product in strips of four left half of 8 warps idle)
+  constexpr int NB = (N / 8) % 4 == 0 && (M / 16) * (N / 32) >= WARPS ? 4
+                     : ((N / 8) % 2 == 0 ? 2 : 1);
   constexpr int STRIPS = N / (8 * NB);
   const int lane = int(tid & 31u), g = lane >> 2, t = lane & 3;
   for (unsigned strip = tid >> 5; strip < unsigned((M / 16) * STRIPS); strip += threads >> 5) {

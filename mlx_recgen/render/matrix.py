@@ -67,6 +67,11 @@ WALK_KINDS = ("walk", "adjoint_walk")  # the walk through the chunks, and its ad
 # The kernels of eight simdgroups a group: the outputs kernel, the backward's and the walks (a
 # 64 x 64 state tile is eight strips of the product, one a simdgroup)
 WIDE_KERNELS = ("outputs", "chunk_gradients", *WALK_KINDS)
+# The walks' groups: sixteen simdgroups. A walk has one group a core (a group per instance and
+# state tile), whose eight simdgroups issued an instruction every 4.7 cycles each; the product's
+# strips are then 16 x 16. At 512 threads the walk's registers are bounded to one group a core
+# (``_GROUPS_A_CORE``)
+WALK_THREADS = 512
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
@@ -82,6 +87,10 @@ GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
 # 0.92 ms, forward+backward 3.19-3.29 -> 3.10 with the walks, outputs and backward kernels so
 # (benchmarks/results/bench-matrix-copies-by-fours-H200-2026-11-27.json)
 VECTOR_COPIES = frozenset({"states", "adjoint", *WALK_KINDS, "outputs", "chunk_gradients"})
+# The kernels whose registers are bounded to what a count of groups a core leaves
+# (``Dialect.launch_bounds``): the backward's, and the walks (at 512 threads a group, more than
+# 128 registers a thread would not launch)
+_GROUPS_A_CORE = {"chunk_gradients": GRADIENT_GROUPS, "walk": 1, "adjoint_walk": 1}
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
@@ -113,6 +122,8 @@ GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (1
 
 def group_threads(kind: str) -> int:
     """Threads of a group of ``kind``'s kernel."""
+    if kind in WALK_KINDS:
+        return WALK_THREADS
     return OUTPUT_THREADS if kind in WIDE_KERNELS else THREADS
 
 
@@ -170,10 +181,11 @@ def _step_arrays(kind: str, C: int, signed: bool) -> list:
     return [(n, "C", C) for n in names] + spans
 
 
-def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False) -> list:
+def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
+                 K: int = None) -> list:
     """The arrays ``kind``'s kernel keeps in group memory (``GroupMemory.arrays``), for tiles of
-    ``KT x VT`` (the states kernels': their own ``state_tiles``); ``pads``:
-    ``Dialect.matrix_pads``."""
+    ``KT x VT`` (the states kernels': their own ``state_tiles``) of a state of ``K`` rows (None:
+    more than one tile); ``pads``: ``Dialect.matrix_pads``."""
     rows, cols = pads
     if kind in ("states", "adjoint"):
         own = [("X", "C * LDX", C * (KT + cols)), ("Y", "C * LDY", C * (VT + cols)),
@@ -184,10 +196,13 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False)
                ("S", "KT * VT", KT * VT), ("logs", "2 * C", 2 * C)]
         own += [("signs", "2 * C", 2 * C)] if signed else []
     elif kind == "outputs":
-        # c and a side by side, later b in the same memory
-        own = [("tiles", "TILES", max(2 * C * (KT + rows), C * (VT + cols))),
-               ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", KT * (VT + cols)),
-               ("Yt", "C * VT", C * VT)]
+        # c and a side by side, later b in the same memory; with one tile of K, the readouts
+        # too, past c's and b's rows (``outputs_in_tiles``)
+        tiles = max(2 * C * (KT + rows), C * (VT + cols))
+        at = _outputs_in_tiles(C, K, KT, VT, pads)
+        own = [("tiles", "TILES", max(tiles, at + C * VT) if at is not None else tiles),
+               ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", KT * (VT + cols))]
+        own += [("Yt", "C * VT", C * VT)] if at is None else []
     elif kind == "chunk_gradients":
         # the scores and their weights; two tiles of the chunk's rows (c and a, or dy and b),
         # two of its states (S and G) and two products
@@ -206,10 +221,24 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False)
     return own + _step_arrays(kind, C, signed)
 
 
-def group_memory(kind: str, C: int, KT: int, VT: int, dialect, signed=False):
-    """``kind``'s ``GroupMemory`` on ``dialect``, or None where it fits neither the arrays the
-    target lets a kernel declare nor its dynamic group memory."""
-    arrays = tuple(group_arrays(kind, C, KT, VT, dialect.matrix_pads, signed))
+def _outputs_in_tiles(C: int, K, KT: int, VT: int, pads):
+    """Where the outputs kernel's readouts ``[C, VT]`` lie in its ``tiles`` (floats from its
+    start), or None where they take their own array. With one tile of K, ``a``'s rows are done
+    with once ``c aᵀ`` is formed, before the first readout is written, so the readouts take
+    their place past ``c``'s rows (read by ``c S_start``) and ``b``'s (read by ``W b``): a
+    group's memory is then a fifth less (GLA's chunks of 64 on CUDA: 89.6 -> 73.2 KB, three
+    groups a core where two were)."""
+    rows, cols = pads
+    if K is None or KT < K:  # a's rows come again for the next tile of K
+        return None
+    return _aligned(max(C * (KT + rows), C * (VT + cols)))
+
+
+def group_memory(kind: str, C: int, KT: int, VT: int, dialect, signed=False, K: int = None):
+    """``kind``'s ``GroupMemory`` on ``dialect`` (a state of ``K`` rows, as ``group_arrays``),
+    or None where it fits neither the arrays the target lets a kernel declare nor its dynamic
+    group memory."""
+    arrays = tuple(group_arrays(kind, C, KT, VT, dialect.matrix_pads, signed, K))
     memory = GroupMemory(arrays)
     if memory.bytes <= dialect.shared_bytes:
         return memory
@@ -223,7 +252,7 @@ def tiles(C: int, K: int, V: int, dialect, signed=False) -> tuple:
     ``c @ aᵀ``) whose group memory ``dialect`` gives (``group_memory``), or None."""
     for VT in (v for v in TILE_SIZES if v <= _padded(V)):
         for KT in (k for k in TILE_SIZES if k <= _padded(K)):
-            if group_memory("outputs", C, KT, VT, dialect, signed) is not None:
+            if group_memory("outputs", C, KT, VT, dialect, signed, K) is not None:
                 return KT, VT
     return None
 
@@ -376,15 +405,17 @@ class MatrixRenderer:
                     LDC=KT + rows, LDW=s.C + rows, LDB=VT + cols,
                     # the outputs kernel's S_start (read by columns); the backward's S and G
                     LDS=VT + (rows if kind == "chunk_gradients" else cols),
-                    # the outputs kernel's c and a tiles (later b's): their floats
+                    # the outputs kernel's c and a tiles (later b's): their floats, and where
+                    # its readouts lie in them (None: in their own array)
                     tiles={name: n for name, _, n in memory.arrays}.get("tiles"),
+                    outputs_at=_outputs_in_tiles(s.C, s.K, KT, VT, self.d.matrix_pads),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
                     memory=memory, ROWS=_weight_rows(s.C // warps),
                     UNROLL=GRADIENT_UNROLL if kind == "chunk_gradients" else UNROLL,
                     bounds=self.d.launch_bounds.format(threads=group_threads(kind),
-                                                       groups=GRADIENT_GROUPS)
-                    if kind == "chunk_gradients" else "",
+                                                       groups=_GROUPS_A_CORE[kind])
+                    if kind in _GROUPS_A_CORE else "",
                     # the backward's tiles of rows and products (every array a matrix operand
                     # read row-wise: the rows pad)
                     LDT=max(KT, VT) + rows, LDP=max(KT, VT) + rows)
@@ -396,7 +427,7 @@ class MatrixRenderer:
             raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, K={s.K}, "
                              f"V={s.V} exceeds what {self.d.name} gives a kernel")
         KT, VT = self._tiles(kind)
-        memory = group_memory(kind, s.C, KT, VT, self.d, s.signed)
+        memory = group_memory(kind, s.C, KT, VT, self.d, s.signed, s.K)
         if memory is None:
             raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, tiles of "
                              f"{KT} x {VT} exceeds what {self.d.name} gives a kernel")
