@@ -67,11 +67,11 @@ WALK_KINDS = ("walk", "adjoint_walk")  # the walk through the chunks, and its ad
 # The kernels of eight simdgroups a group: the outputs kernel, the backward's and the walks (a
 # 64 x 64 state tile is eight strips of the product, one a simdgroup)
 WIDE_KERNELS = ("outputs", "chunk_gradients", *WALK_KINDS)
-# The walks' groups: sixteen simdgroups. A walk has one group a core (a group per instance and
-# state tile), whose eight simdgroups issued an instruction every 4.7 cycles each; the product's
-# strips are then 16 x 16. At 512 threads the walk's registers are bounded to one group a core
-# (``_GROUPS_A_CORE``)
-WALK_THREADS = 512
+# The walks' groups: eight simdgroups, one group a core (a group per instance and state tile).
+# Sixteen (512 threads, the product's strips 16 x 16, registers bounded to 128 a thread) took
+# longer on an H200 at GLA B8 H16 L4096 K=V=64: the walk 212 -> 223 µs, its adjoint 202 -> 212
+# (benchmarks/results/bench-matrix-tile-passes-H200-2026-11-28.md)
+WALK_THREADS = 256
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
@@ -88,9 +88,8 @@ GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
 # (benchmarks/results/bench-matrix-copies-by-fours-H200-2026-11-27.json)
 VECTOR_COPIES = frozenset({"states", "adjoint", *WALK_KINDS, "outputs", "chunk_gradients"})
 # The kernels whose registers are bounded to what a count of groups a core leaves
-# (``Dialect.launch_bounds``): the backward's, and the walks (at 512 threads a group, more than
-# 128 registers a thread would not launch)
-_GROUPS_A_CORE = {"chunk_gradients": GRADIENT_GROUPS, "walk": 1, "adjoint_walk": 1}
+# (``Dialect.launch_bounds``)
+_GROUPS_A_CORE = {"chunk_gradients": GRADIENT_GROUPS}
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
