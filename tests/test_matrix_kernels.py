@@ -163,6 +163,22 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts,
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("L, seg", [(60, 16), (91, 32)])
+def test_rows_of_four_over_a_partial_last_chunk(L, seg, backend, kernel_calls, readouts,
+                                                states_path):
+    """Factors whose rows the kernels copy four floats at a time, with a state that fills its
+    tiles: a chunk's copies then check no bounds, except in a last chunk that ends a few steps
+    past T, whose rows past T lie in the next instance's data and must read as zeros."""
+    mx.random.seed(L)
+    b, H, K, V = 2, 3, 16, 16
+    q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
+    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+    g = mx.random.uniform(0.7, 1.0, (b, L, H))
+    _assert_gla_matches(backend, q, k, v, g, S0, seg=seg, tol=_tol(backend))
+    assert {(s.C, s.K, s.V) for s in kernel_calls} == {(seg, K, V)}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_gla_with_a_state_of_64_x_64(backend, kernel_calls, states_path):
     """A state of the largest tiles: on CUDA the walk takes it in tiles of 64 x 64 (Metal's group
     memory gives the walk smaller ones)."""
