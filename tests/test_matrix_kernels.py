@@ -154,12 +154,15 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts,
     chunk that is no multiple of a simdgroup's 32 lanes), with a state of sizes that are no
     multiple of the tiles."""
     mx.random.seed(L)
-    b, H, K, V = 2, 3, 20, 12
+    _assert_gla_matches(backend, *_gla_inputs(2, L, 3, 20, 12), seg=seg, tol=_tol(backend))
+    assert {s.C for s in kernel_calls} == {seg} and all(s.diagonal for s in kernel_calls)
+
+
+def _gla_inputs(b, L, H, K, V):
+    """GLA's ``q, k, v, g, S0``: normal, the gate uniform in [0.7, 1)."""
     q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
     v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
-    g = mx.random.uniform(0.7, 1.0, (b, L, H))
-    _assert_gla_matches(backend, q, k, v, g, S0, seg=seg, tol=_tol(backend))
-    assert {s.C for s in kernel_calls} == {seg} and all(s.diagonal for s in kernel_calls)
+    return q, k, v, mx.random.uniform(0.7, 1.0, (b, L, H)), S0
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -170,12 +173,8 @@ def test_rows_of_four_over_a_partial_last_chunk(L, seg, backend, kernel_calls, r
     tiles: a chunk's copies then check no bounds, except in a last chunk that ends a few steps
     past T, whose rows past T lie in the next instance's data and must read as zeros."""
     mx.random.seed(L)
-    b, H, K, V = 2, 3, 16, 16
-    q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
-    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
-    g = mx.random.uniform(0.7, 1.0, (b, L, H))
-    _assert_gla_matches(backend, q, k, v, g, S0, seg=seg, tol=_tol(backend))
-    assert {(s.C, s.K, s.V) for s in kernel_calls} == {(seg, K, V)}
+    _assert_gla_matches(backend, *_gla_inputs(2, L, 3, 16, 16), seg=seg, tol=_tol(backend))
+    assert {(s.C, s.K, s.V) for s in kernel_calls} == {(seg, 16, 16)}
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
