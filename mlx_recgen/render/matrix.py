@@ -65,13 +65,11 @@ THREADS = 128  # four simdgroups / warps per threadgroup
 OUTPUT_THREADS = 256
 WALK_KINDS = ("walk", "adjoint_walk")  # the walk through the chunks, and its adjoint's
 # The kernels of eight simdgroups a group: the outputs kernel, the backward's and the walks (a
-# 64 x 64 state tile is eight strips of the product, one a simdgroup)
-WIDE_KERNELS = ("outputs", "chunk_gradients", *WALK_KINDS)
-# The walks' groups: eight simdgroups, one group a core (a group per instance and state tile).
-# Sixteen (512 threads, the product's strips 16 x 16, registers bounded to 128 a thread) took
-# longer on an H200 at GLA B8 H16 L4096 K=V=64: the walk 212 -> 223 µs, its adjoint 202 -> 212
+# 64 x 64 state tile is eight strips of the product, one a simdgroup). Walks of sixteen (512
+# threads, strips of 16 x 16, registers bounded to 128 a thread) took longer on an H200 at GLA
+# B8 H16 L4096 K=V=64: the walk 212 -> 223 µs, its adjoint 202 -> 212
 # (benchmarks/results/bench-matrix-tile-passes-H200-2026-11-28.md)
-WALK_THREADS = 256
+WIDE_KERNELS = ("outputs", "chunk_gradients", *WALK_KINDS)
 # How many times the loops over a tile's elements are unrolled: unrolled fully, every address
 # of a 64 x 64 tile's copies, or every step's range sums of the causal weights, waits in
 # registers (255 a thread on CUDA, and spills)
@@ -87,9 +85,6 @@ GRADIENT_UNROLL, GRADIENT_GROUPS = 4, 2
 # 0.92 ms, forward+backward 3.19-3.29 -> 3.10 with the walks, outputs and backward kernels so
 # (benchmarks/results/bench-matrix-copies-by-fours-H200-2026-11-27.json)
 VECTOR_COPIES = frozenset({"states", "adjoint", *WALK_KINDS, "outputs", "chunk_gradients"})
-# The kernels whose registers are bounded to what a count of groups a core leaves
-# (``Dialect.launch_bounds``)
-_GROUPS_A_CORE = {"chunk_gradients": GRADIENT_GROUPS}
 # Rows of the causal weights a simdgroup loads before it uses any (the weights kernels)
 WEIGHT_ROWS = 4
 TILE_SIZES = (64, 32, 16)  # K and V tiles, largest first; multiples of the MMA tiles (16 x 8)
@@ -121,8 +116,6 @@ GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (1
 
 def group_threads(kind: str) -> int:
     """Threads of a group of ``kind``'s kernel."""
-    if kind in WALK_KINDS:
-        return WALK_THREADS
     return OUTPUT_THREADS if kind in WIDE_KERNELS else THREADS
 
 
@@ -196,7 +189,7 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
         own += [("signs", "2 * C", 2 * C)] if signed else []
     elif kind == "outputs":
         # c and a side by side, later b in the same memory; with one tile of K, the readouts
-        # too, past c's and b's rows (``outputs_in_tiles``)
+        # too, past c's and b's rows (``_outputs_in_tiles``)
         tiles = max(2 * C * (KT + rows), C * (VT + cols))
         at = _outputs_in_tiles(C, K, KT, VT, pads)
         own = [("tiles", "TILES", max(tiles, at + C * VT) if at is not None else tiles),
@@ -413,8 +406,8 @@ class MatrixRenderer:
                     memory=memory, ROWS=_weight_rows(s.C // warps),
                     UNROLL=GRADIENT_UNROLL if kind == "chunk_gradients" else UNROLL,
                     bounds=self.d.launch_bounds.format(threads=group_threads(kind),
-                                                       groups=_GROUPS_A_CORE[kind])
-                    if kind in _GROUPS_A_CORE else "",
+                                                       groups=GRADIENT_GROUPS)
+                    if kind == "chunk_gradients" else "",
                     # the backward's tiles of rows and products (every array a matrix operand
                     # read row-wise: the rows pad)
                     LDT=max(KT, VT) + rows, LDP=max(KT, VT) + rows)
