@@ -5,7 +5,9 @@ Python lowers the step programs to C statements (``StepWriter``): expressions th
 end of the step, after every read of the old value), an output, or a gradient of one of four
 reduction classes (written per lane, accumulated over time, reduced over lanes, or both). The
 templates (``templates/*.j2``) hold the kernel skeleton: thread mapping, time and segment loops,
-checkpoints and the threadgroup stage of lane reductions. Target differences come only from the
+checkpoints and the threadgroup stage of lane reductions, and the lines of the reductions the
+step program writes inline (``backward_reductions.j2``: a gradient's lane sums a step, a chunk's
+sums, a round's reductions inside the state loop). Target differences come only from the
 ``Dialect``.
 """
 
@@ -377,6 +379,7 @@ class KernelRenderer:
         segment's local adjoint, and with ``hits`` (per block: ``reg``, ``vector``, ``buffer``,
         ``offset``) its counts of zero hits (``affine.local_adjoint_program``)."""
         spec, d, nm = self.spec, self.d, self.names
+        reductions = environment().get_template("backward_reductions.j2").module
         writer = StepWriter(self.rec, d, nm, stage=self.schedule.stage_steps > 0,
                             split=self.schedule.parts > 1)
         idx = writer.idx
@@ -427,11 +430,7 @@ class KernelRenderer:
                 row, at = f"{time_rows[(t.name, c)].offset} + {n_idx}", "red_step + "
             # one value: whole lanes (part 0 holds a value outside the state loop)
             writer = "writes" if in_loop else "writes && part == 0"
-            return [f"{pad}{{",
-                    f"{pad}  float lanes_sum = {ok} ? {value} : 0.0f;",
-                    f"{pad}  const bool writes = recgen_lane_scatter<1, PARTS>(&lanes_sum, simd_lane) >= 0;",
-                    f"{pad}  if ({writer}) {{ red[{at}({row}) * RED_STRIDE + simd_group] = lanes_sum; }}",
-                    f"{pad}}}"], []
+            return reductions.lane_sum(pad, ok, value, writer, at, row).splitlines(), []
 
         def loop_end(loop, pad):
             return round_end(loop, pad) + chunk_end(loop, pad)
@@ -444,36 +443,14 @@ class KernelRenderer:
             if not arrays:
                 return []
             element = "part + PARTS * e" if writer.split else "e"
-            lines = [f"{pad}if (({idx} + 1) % LC == 0) {{  // a chunk of LC values is complete",
-                     f"{pad}  const int e0 = {idx} + 1 - LC;"]
-            for array, offset in arrays:
-                lines += [f"{pad}  {{",
-                          f"{pad}    const int first = recgen_lane_scatter<LC, PARTS>({array}, simd_lane);",
-                          f"{pad}    for (int i = 0; i < LC_HELD; ++i) {{",
-                          f"{pad}      const int e = e0 + first + i;",
-                          f"{pad}      if (first >= 0) {{ red[red_step + ({offset} + {element}) * RED_STRIDE + simd_group] = {array}[i]; }}",
-                          f"{pad}    }}",
-                          f"{pad}  }}"]
-            return lines + [f"{pad}}}"]
+            return reductions.chunk_end(pad, idx, element, arrays).splitlines()
 
         def round_end(loop, pad):
             """The lane reductions of one round of the state loop (time_rounds only)."""
             if not any(isinstance(b, Store) and b.kind == "grad" and
                        (b.slot.tensor, b.slot.component) in loop_rows for b in loop.body):
                 return []
-            k = len(loop_rows)
-            lines = [f"{pad}// lane reductions of this round's ROUND iterations, {k} rows each",
-                     f"{pad}if ((n + 1) % ROUND == 0 || n + 1 == NS) {{",
-                     f"{pad}  const int first = n - n % ROUND;",
-                     f"{pad}  {d.barrier};",
-                     f"{pad}  for (int row = int(tid); row < (n - first + 1) * {k}; row += TG) {{",
-                     f"{pad}    float total = 0.0f;",
-                     f"{pad}    for (int col = 0; col < RED_COLS; ++col) {{ total += red[row * RED_STRIDE + col]; }}",
-                     f"{pad}    const int n = first + row / {k};"]
-            for i, target in enumerate(loop_rows.values()):
-                cond = f"if (row % {k} == {i}) " if i < k - 1 else ""
-                lines.append(f"{pad}    {'else ' if i else ''}{cond}{{ {target} = total; }}")
-            return lines + [f"{pad}  }}", f"{pad}  {d.barrier};", f"{pad}}}"]
+            return reductions.round_end(pad, list(loop_rows.values()), d.barrier).splitlines()
 
         differentiable = [] if lambda_only else [t for t in spec.inputs.values() if t.differentiable]
         for t in differentiable:
