@@ -178,6 +178,55 @@ def test_rows_of_four_over_a_partial_last_chunk(L, seg, backend, kernel_calls, r
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("name", ["retnet", "mamba2"])
+def test_half_factors_reach_the_kernels_as_given(name, dtype, backend, kernel_calls, readouts,
+                                                 states_path, monkeypatch):
+    """Factors that are inputs given in half precision (RetNet's ``q``, ``k``, ``v``; Mamba-2's
+    ``B`` and ``C``, one per group of heads) reach the kernels as given, and the kernels widen
+    them as they read them: no fp32 copy of them is made. Widening is exact, so outputs, final
+    states and every gradient are bit for bit those of the same call on the same values in
+    fp32 (cotangents that half precision holds exactly), which agree with the paper's loop."""
+    mx.random.seed(len(name) + (dtype == mx.float16))
+    inputs, states = _draw(name)
+    inputs = [x.astype(dtype) for x in inputs]  # the values half precision holds
+    widened = [x.astype(mx.float32) for x in inputs]
+    read = []
+    kernel = mk.MatrixKernels._kernel
+
+    def spy(self, shape, kind, factors=()):
+        read.append((kind, [x.dtype for x in factors]))
+        return kernel(self, shape, kind, factors)
+
+    monkeypatch.setattr(mk.MatrixKernels, "_kernel", spy)
+    run = _run(name, backend, 16)
+
+    def results(inputs):
+        def loss(*args):
+            (y,), finals = run(list(args[:len(inputs)]), list(args[len(inputs):]))
+            w = mx.cos(mx.arange(y.size) / 7).astype(dtype).reshape(y.shape)
+            return mx.sum(y.astype(mx.float32) * w) + sum(mx.sum(S * S) for S in finals)
+
+        (y,), finals = run(inputs, states)
+        grads = mx.grad(loss, argnums=tuple(range(len(inputs) + len(states))))(*inputs, *states)
+        return [y, *finals, *grads]
+
+    halves = results(inputs)
+    assert any(kind in mk.STRIDED and dtype in dtypes for kind, dtypes in read)
+    read.clear()
+    singles = results(widened)
+    assert read and not any(dtype in dtypes for _, dtypes in read)
+    states_dtypes = [S.dtype for S in states]
+    assert [x.dtype for x in halves] == [dtype, *states_dtypes, *(x.dtype for x in inputs),
+                                         *states_dtypes]
+    for h, f in zip(halves, singles):
+        assert mx.array_equal(h, f.astype(h.dtype)).item()
+    (y_ref,), _ = _reference(name, widened, states)
+    assert rel_err(halves[0].astype(mx.float32), y_ref) < 1e-2
+    assert kernel_calls
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_gla_with_a_state_of_64_x_64(backend, kernel_calls, states_path):
     """A state of the largest tiles: on CUDA the walk takes it in tiles of 64 x 64 (Metal's group
     memory gives the walk smaller ones)."""
@@ -584,18 +633,20 @@ def test_forward_mode_and_second_order_through_the_kernels(kernel_calls, monkeyp
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("kind", mk.KERNELS)
 def test_cuda_text_compiles(tmp_path, kind):
-    """The matrix kernels' CUDA text (the tensor-core MMA and the exact loop, signed or not)
-    compiles with nvcc for sm_90, MLX's device header replaced by a stand-in."""
-    for units in (True, False):
-        for signed in (False, True):
-            text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units,
-                                    diagonal=signed)
-            text = without_mlx_header(text)
-            src = tmp_path / f"{kind}_{units}_{signed}.cu"
-            src.write_text(text)
-            res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",
-                                  os.devnull], capture_output=True, text=True)
-            assert res.returncode == 0, res.stderr
+    """The matrix kernels' CUDA text (the tensor-core MMA and the exact loop, signed or not;
+    the kernels that read factors where they lie also with bf16 and fp16 factors) compiles
+    with nvcc for sm_90, MLX's device header replaced by a stand-in."""
+    halves = [(True, True, d) for d in (mx.bfloat16, mx.float16)] if kind in mk.STRIDED else []
+    for units, signed, factors in [(u, s, mx.float32) for u in (True, False)
+                                   for s in (False, True)] + halves:
+        text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units,
+                                diagonal=signed, factors=factors)
+        text = without_mlx_header(text)
+        src = tmp_path / f"{kind}_{units}_{signed}_{str(factors)[-8:]}.cu"
+        src.write_text(text)
+        res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",
+                              os.devnull], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
 
 
 def test_the_simulator_runs_uncompiled_where_a_gpu_is_the_default(monkeypatch, kernel_calls):

@@ -141,8 +141,10 @@ class MatrixKernels:
                                          build)
 
     @staticmethod
-    def _text(dialect, shape, kind):
-        """(name, input names, output names, body, header) of a kernel: ``KERNELS``."""
+    def _text(dialect, shape, kind, halves=()):
+        """(name, input names, output names, body, header) of a kernel: ``KERNELS``.
+        ``halves``: the inputs given in half precision (``_halves``); the text is the same for
+        every dtype (the copies into group memory widen halves), the name is not."""
         if kind not in KERNELS:
             raise ValueError(f"the matrix schedule's kernels are {KERNELS}, got {kind!r}")
         r = MatrixRenderer(dialect, shape)
@@ -175,7 +177,9 @@ class MatrixKernels:
             body = r.states(reverse=kind == "adjoint")
             ins, outs = ["x", "y", "log_d", *signs], ["local", "decay"]
         header = r.header(kind)
-        return kernel_name("matrix", kind, header, body, ins, outs), ins, outs, body, header
+        # MLX writes the signature from the inputs' dtypes; a kernel's name names its text
+        named = "_".join([kind, *halves])
+        return kernel_name("matrix", named, header, body, ins, outs), ins, outs, body, header
 
     def _make(self, text, **launch):
         """A kernel of the backend from its ``(name, inputs, outputs, body, header)``."""
@@ -185,16 +189,20 @@ class MatrixKernels:
         return self._factory(name=name, input_names=ins, output_names=outs, source=body,
                              header=header, **launch)
 
-    def _kernel(self, shape, kind):
+    def _kernel(self, shape, kind, inputs=()):
+        """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads, which may be
+        in half precision: ``_halves``)."""
+        halves = _halves([x.dtype for x in inputs])
+
         def build():
             memory = MatrixRenderer(self.dialect, shape).memory(kind)
             # group memory beyond the declared arrays' limit is sized at launch (CUDA's dynamic
             # shared memory)
             launch = {"shared_memory": memory.bytes} if memory.dynamic else {}
-            return self._make(self._text(self.dialect, shape, kind),
+            return self._make(self._text(self.dialect, shape, kind, halves),
                               ensure_row_contiguous=kind not in STRIDED, **launch)
 
-        return self._kernels.get_or_build((shape, kind), build)
+        return self._kernels.get_or_build((shape, kind, halves), build)
 
     # -- launches --------------------------------------------------------------------------------
     def walk(self, shape, instances) -> bool:
@@ -215,14 +223,14 @@ class MatrixKernels:
         nc = -(-T // shape.C)
         if self.walk(shape, I):
             threads = group_threads("walk")
-            return self._kernel(shape, "adjoint_walk" if reverse else "walk")(
+            return self._kernel(shape, "adjoint_walk" if reverse else "walk", (x, y))(
                 # the initial state read row-contiguous (the walk reads x and y where they lie)
                 inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init)],
                 grid=(I * _tile_count(K, V, shape.walk_tiles) * threads, 1, 1),
                 threadgroup=(threads, 1, 1),
                 output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32] * 2)
         tiles = _tile_count(K, V, shape.state_tiles)
-        local, decay = self._kernel(shape, "adjoint" if reverse else "states")(
+        local, decay = self._kernel(shape, "adjoint" if reverse else "states", (x, y))(
             inputs=[x, y, log_d, *_signs(sign)],
             grid=(I * nc * tiles * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, nc, K, V), (I, nc)], output_dtypes=[mx.float32, mx.float32])
@@ -240,7 +248,7 @@ class MatrixKernels:
         T, I, V = c.shape[-2], math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
         groups = I * nc * -(-V // shape.VT)
-        return self._kernel(shape, "outputs")(
+        return self._kernel(shape, "outputs", (c, a, b))(
             inputs=[c, a, b, log_d, *_signs(sign), starts],
             grid=(groups * group_threads("outputs"), 1, 1),
             threadgroup=(group_threads("outputs"), 1, 1),
@@ -283,7 +291,7 @@ class MatrixKernels:
         I, V = math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
         threads = group_threads("chunk_gradients")
-        return self._kernel(shape, "chunk_gradients")(
+        return self._kernel(shape, "chunk_gradients", (c, a, b, dy))(
             inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving],
             grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T), (I, T), (I, nc), (I, T)],
@@ -391,6 +399,8 @@ class MatrixKernels:
             else:
                 dc, da, db, d_log_d = self._chunk_gradients_in_one(shape, c, a, b, log_d, signs,
                                                                    dy, starts, leaving)
+            # fp32 gradients, a factor given in half precision too: its uses' gradients are
+            # summed before one rounding (``mlx_matrix.read_as_given``)
             return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape), d_log_d,
                     mx.zeros_like(sign), d_init)
 
@@ -494,9 +504,19 @@ def _tr(x):
 
 
 def _instances(*xs):
-    """``(*batch, T, X)`` arrays as ``(instance, T, X)`` (a copy where the batch axes do not
-    merge: for the chunk products in MLX ops, which the strided kernels do not need)."""
-    return [x.reshape(-1, *x.shape[-2:]) for x in xs]
+    """``(*batch, T, X)`` arrays as ``(instance, T, X)`` in fp32 (a copy where the batch axes
+    do not merge or a factor is in half precision: for the chunk products in MLX ops, which the
+    kernels, reading factors where they lie and widening halves, do not need)."""
+    return [x.reshape(-1, *x.shape[-2:]).astype(mx.float32) for x in xs]
+
+
+_HALF_TAGS = {mx.bfloat16: "bf16", mx.float16: "f16"}
+
+
+def _halves(dtypes) -> tuple:
+    """The positions and dtypes of the factors a kernel reads in half precision, as name parts
+    (``("0bf16", "1bf16")``): the same kernel text compiles to another kernel for them."""
+    return tuple(f"{i}{_HALF_TAGS[d]}" for i, d in enumerate(dtypes) if d in _HALF_TAGS)
 
 
 def _exponentials(lam, inclusive):
@@ -531,11 +551,12 @@ def _chunk_signs(shape, chunks, sign):
 
 
 def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=False,
-                  signed=False, units=None, diagonal=False) -> str:
+                  signed=False, units=None, diagonal=False, factors=mx.float32) -> str:
     """The full text of a matrix kernel (``KERNELS``, or a decay-score kernel,
     ``DECAY_SCORE_KINDS``) as ``backend`` compiles it, MLX's generated signature included, for
     a state of ``state_size`` x ``lanes``; ``units``: the products on the matrix units, or exact
-    on the scalar units (None: as a call would)."""
+    on the scalar units (None: as a call would); ``factors``: the dtype of the factors the
+    kernel reads where they lie (``STRIDED`` kinds; half precision is widened on its way)."""
     from .mlx_source import cuda_source, metal_source
     from .kernels import _ArrayInfo
 
@@ -553,12 +574,20 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
+    read = [n for n in ins if n in _FACTORS] if kind in STRIDED else []
+    if factors != mx.float32 and read:  # the same text under the name MLX would give it
+        name, *_ = MatrixKernels._text(kernels.dialect, shape, kind, _halves([factors] * len(read)))
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
              **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
                                "starts", "leaving")}}
-    infos = [_ArrayInfo(mx.int32 if n == "dims" else mx.float32, ranks.get(n, 3)) for n in ins]
+    dtypes = {n: factors for n in read}
+    infos = [_ArrayInfo(mx.int32 if n == "dims" else dtypes.get(n, mx.float32), ranks.get(n, 3))
+             for n in ins]
     return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
+
+
+_FACTORS = ("c", "a", "b", "x", "y")  # the factors a kernel may take in half precision
 
 
 def kernel_flags(form, st):

@@ -98,6 +98,20 @@ def _as_fp32(x):
 
 
 @mx.custom_function
+def read_as_given(x):
+    """``x``, an input in half precision that the matrix kernels read as given (widening it as
+    they read): the identity, whose VJP returns the cotangent, which the kernels give in fp32
+    and MLX sums over every use of ``x`` in fp32, rounded once to ``x``'s dtype (as the VJP of
+    a conversion to fp32 would)."""
+    return x
+
+
+@read_as_given.vjp
+def _read_as_given_vjp(primals, cotangent, _):
+    return cotangent.astype(primals[0].dtype)
+
+
+@mx.custom_function
 def unit_lower_inverse(A):
     """``(I - A)⁻¹`` for ``A`` strictly lower triangular, ``(..., n, n)``: block forward
     substitution with blocks doubling from 1, ``[[X, 0], [-A₂₁, Y]]⁻¹ = [[X⁻¹, 0], [Y⁻¹ A₂₁ X⁻¹,
@@ -235,12 +249,16 @@ class MatrixForm(SequentialForm):
         by_group: dict = {}  # group axis -> (expressions, layout) of the factors of a group
         self.level = {}  # (what, s, i, r) -> the group axis its factor is evaluated at, or None
         self.along = {}  # (state, read) -> the term whose vector the read's α and β scale
+        # (what, s, i, r) -> the input (tensor, component) a kernel factor is, as it is given
+        self.bare = {}
 
         def add(expr, what, s=None, i=None, r=None):
             expr = sympy.sympify(expr)
             g = self._group_of(expr) if what in ("a", "c") and not \
                 form.states[s].vector_decay else None
             self.level[(what, s, i, r)] = g
+            if what in ("a", "b", "c") and expr in self.table.key:
+                self.bare[(what, s, i, r)] = self.table.key[expr][1]
             into, layout = (exprs, self.layout) if g is None else by_group.setdefault(g, ([], []))
             layout.append((what, s, i, r))
             into.append(expr)
@@ -326,7 +344,10 @@ class MatrixForm(SequentialForm):
         batch axes, ``(*batch, T, V or 1, K or 1)`` (parameters with a time axis of 1), fp32,
         group axes expanded: the layout of the chunked products, so no transposition follows.
         Also those that carry a group axis as given (the group axis in place of the grouped
-        one), for the factors evaluated per group."""
+        one), for the factors evaluated per group. Third, the inputs with the time axis given
+        in half precision, as given (the same two kinds by ``(tensor, component)`` and
+        ``(tensor, component, "grouped")``), for the kernels, which widen them as they read
+        them (``_half_factors``); their fp32 copies are then never evaluated."""
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
         out, grouped = {}, {}
         # a parameter spread over time and the batch axes no group touches, so that its
@@ -340,17 +361,30 @@ class MatrixForm(SequentialForm):
             return spread(part, (*(n if m == 1 else m for n, m in zip(over, part.shape)),
                                  *part.shape[nb + 1:]))
 
-        def parts(t, x):
-            return {(t.name, c): _as_fp32(part) if t.has_time else parameter(part)
-                    for c, part in enumerate(to_canonical(spec, expanded(spec, t), x))}
+        def parts(t, x):  # by component, as given (half precision kept)
+            return dict(enumerate(to_canonical(spec, expanded(spec, t), x)))
 
+        def cast(t, given):
+            return {(t.name, c): _as_fp32(part) if t.has_time else parameter(part)
+                    for c, part in given.items()}
+
+        halves = {}
         for t, x in zip(spec.inputs.values(), inputs):
             given = parts(t, x)
-            grouped.update(given)
+            grouped.update(cast(t, given))
             # without a group axis the expanded arrays are the same ones
-            out.update(given if expanded(spec, t) is t else
-                       parts(t, expand_groups(spec, t, x, sizes)))
-        return out, grouped
+            if expanded(spec, t) is t:
+                members = given
+                out.update({(t.name, c): grouped[(t.name, c)] for c in given})
+            else:
+                members = parts(t, expand_groups(spec, t, x, sizes))
+                out.update(cast(t, members))
+            if t.has_time and x.dtype in (mx.bfloat16, mx.float16):
+                as_given = {c: read_as_given(part) for c, part in given.items()}
+                halves.update({(t.name, c, "grouped"): part for c, part in as_given.items()})
+                halves.update({(t.name, c): read_as_given(part) if members is not given else
+                               as_given[c] for c, part in members.items()})
+        return out, grouped, halves
 
     def _factors(self, values: dict, grouped: dict, sizes: dict, ones):
         """``(*batch, T, X)`` arrays of every factor, by (what, state, readout, term) (those
@@ -368,23 +402,40 @@ class MatrixForm(SequentialForm):
         args = [ones] if program.needs_state_ones else []
         args += [values[self.table.key[sym][1]] for sym in program.args]
         results = program.fn(*args)
+        return {key: self._shaped(key, x if isinstance(x, mx.array) else
+                                  mx.array(x, dtype=mx.float32), sizes)
+                for key, x in zip(layout, results)}
+
+    def _shaped(self, key, x, sizes):
+        """The factor ``key`` (what, state, readout, term) as ``(*batch, T, X)`` (a readout's
+        rest as ``(*batch, T, V, 1)``) from its value in the canonical layout."""
+        spec, (what, s, _, _) = self.rec.spec, key
         T, batch = sizes[spec.time], [sizes[a] for a in spec.batch_axes]
         V, K = sizes[spec.lane], sizes[spec.state_axis]
-        out = {}
-        for (what, s, i, r), x in zip(layout, results):
-            x = x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32)
-            st = self.form.states[s] if s is not None else None
-            if what in ("a", "c", "alpha", "beta") or (what in ("log_decay", "decay")
-                                                       and st.vector_decay):
-                shape, drop = (*batch, T, 1, K), -2  # over the state axis
-            elif what in ("b", "rest", "read"):
-                lanes = V if st is None or st.has_lane else 1  # a shared state: one "lane"
-                shape, drop = (*batch, T, lanes, 1), -1  # over the lanes
-            else:
-                shape, drop = (*batch, T, 1, 1), -2  # one per step
-            x = mx.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
-            # a squeeze, not an index: MLX has no forward-mode derivative of an index's VJP
-            out[(what, s, i, r)] = x if what == "rest" else mx.squeeze(x, axis=drop)
+        st = self.form.states[s] if s is not None else None
+        if what in ("a", "c", "alpha", "beta") or (what in ("log_decay", "decay")
+                                                   and st.vector_decay):
+            shape, drop = (*batch, T, 1, K), -2  # over the state axis
+        elif what in ("b", "rest", "read"):
+            lanes = V if st is None or st.has_lane else 1  # a shared state: one "lane"
+            shape, drop = (*batch, T, lanes, 1), -1  # over the lanes
+        else:
+            shape, drop = (*batch, T, 1, 1), -2  # one per step
+        x = mx.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
+        # a squeeze, not an index: MLX has no forward-mode derivative of an index's VJP
+        return x if what == "rest" else mx.squeeze(x, axis=drop)
+
+    def _half_factors(self, halves: dict, sizes: dict):
+        """The kernels' factors (``a``, ``b``, ``c``) that are inputs given in half precision,
+        as given (``_batch_major``), shaped as ``_factors`` shapes them: the kernels widen them
+        as they read them, so no fp32 copy is made or kept for the backward."""
+        spec, out = self.rec.spec, {}
+        for key, slot in self.bare.items():
+            g = self.level[key]
+            at = slot if g is None else (*slot, "grouped")
+            if at in halves:
+                out[key] = self._shaped(key, halves[at], sizes if g is None else
+                                        {**sizes, spec.groups[g]: sizes[g]})
         return out
 
     # -- one call --------------------------------------------------------------------------------
@@ -398,7 +449,7 @@ class MatrixForm(SequentialForm):
         spec = self.rec.spec
         nb = len(spec.batch_axes)
         T = sizes[spec.time]
-        values, grouped = self._batch_major(inputs, sizes)
+        values, grouped, halves = self._batch_major(inputs, sizes)
 
         def mm(x, y):
             if operands == mx.float32:
@@ -418,7 +469,8 @@ class MatrixForm(SequentialForm):
             served = self._kernel_core(st, S0, seg)
             if served is not None:
                 core, i = served
-                y, S = self._run_core(core, st, s, i, f, members, S0)
+                factors = {**f, **self._half_factors(halves, sizes)}
+                y, S = self._run_core(core, st, s, i, factors, members, S0)
                 _add_to(direct, i, y)
                 finals.append(S)
                 continue
@@ -541,7 +593,8 @@ class MatrixForm(SequentialForm):
         return None if shape is None else (self.kernels.core(shape), i)
 
     def _run_core(self, core, st, s, i, f, members, S0):
-        """Readouts ``(*batch, T, V)`` and final state of state ``s`` from the kernels' core."""
+        """Readouts ``(*batch, T, V)`` and final state of state ``s`` from the kernels' core
+        (``f``: the factors, those given in half precision as given)."""
         nb = len(self.rec.spec.batch_axes)
         batch, (K, V) = S0.shape[:nb], S0.shape[nb:]
         c = _spread(members, self.level[("c", s, i, None)], f[("c", s, i, None)])
@@ -798,4 +851,4 @@ class MatrixForm(SequentialForm):
         return grads, d_init
 
 
-__all__ = ["MatrixForm", "SUB", "chunk_chain", "unit_lower_inverse"]
+__all__ = ["MatrixForm", "SUB", "chunk_chain", "read_as_given", "unit_lower_inverse"]

@@ -42,7 +42,8 @@ class Dialect:
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
     # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
     # recgen_copy4_to_group(dst, src, n): four floats, the first n of src (0 <= n <= 4) and
-    # zeros after, where recgen_aligned16(src) holds and dst is 16-byte aligned; recgen_load4(p) and
+    # zeros after, where recgen_aligned4(src) holds (four elements at once) and dst is 16-byte
+    # aligned (src: floats, or halves widened on the way); recgen_load4(p) and
     # recgen_store4(p, x): four floats of group or device memory at p, 16-byte aligned
     group_copy_prelude: str = ""
     # the qualifier that aligns a declared group array to 16 bytes (the four-float copies' rows)
@@ -121,18 +122,19 @@ inline void recgen_mm(threadgroup float* D, int ldd, const threadgroup float* A,
 }
 """,
     group_copy_prelude="""\
-template <typename Source>  // a device or a constant pointer, as MLX passes the input
+// a device or a constant pointer, as MLX passes the input, to floats or halves (widened)
+template <typename Source>
 inline void recgen_copy_to_group(threadgroup float* dst, Source src, bool ok) {
-  *dst = ok ? *src : 0.0f;
+  *dst = ok ? float(*src) : 0.0f;
 }
 template <typename Source>
 inline void recgen_copy4_to_group(threadgroup float* dst, Source src, int n) {
   for (int i = 0; i < 4; ++i) {
-    dst[i] = i < n ? src[i] : 0.0f;
+    dst[i] = i < n ? float(src[i]) : 0.0f;
   }
 }
-template <typename Source>  // plain loads: any float's address will do
-inline bool recgen_aligned16(Source) {
+template <typename Source>  // plain loads: any element's address will do
+inline bool recgen_aligned4(Source) {
   return true;
 }
 inline void recgen_group_copies_done() {}
@@ -313,8 +315,38 @@ __device__ inline void recgen_copy4_to_group(float* dst, const float* src, int n
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(to), "l"(src),
                "r"(4 * n));
 }
-__device__ inline bool recgen_aligned16(const float* p) {
+__device__ inline bool recgen_aligned4(const float* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+// halves (bf16, fp16) widen to floats on their way: through registers, as cp.async copies
+// bytes; four halves are one 8-byte load
+__device__ inline float2 recgen_widen2(unsigned w, const __nv_bfloat16*) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+__device__ inline float2 recgen_widen2(unsigned w, const __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+template <typename Half>
+__device__ inline void recgen_copy_to_group(float* dst, const Half* src, bool ok) {
+  *dst = ok ? float(*src) : 0.0f;
+}
+template <typename Half>
+__device__ inline void recgen_copy4_to_group(float* dst, const Half* src, int n) {
+  float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (n == 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src);
+    const float2 lo = recgen_widen2(w.x, src), hi = recgen_widen2(w.y, src);
+    x = make_float4(lo.x, lo.y, hi.x, hi.y);
+  } else {
+    x.x = n > 0 ? float(src[0]) : 0.0f;
+    x.y = n > 1 ? float(src[1]) : 0.0f;
+    x.z = n > 2 ? float(src[2]) : 0.0f;
+  }
+  *reinterpret_cast<float4*>(dst) = x;
+}
+template <typename Half>
+__device__ inline bool recgen_aligned4(const Half* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 7ull) == 0;
 }
 __device__ inline void recgen_group_copies_done() {
   asm volatile("cp.async.wait_all;\\n" ::);
