@@ -43,7 +43,8 @@ class Dialect:
     # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
     # recgen_copy4_to_group(dst, src, n): four floats, the first n of src (0 <= n <= 4) and
     # zeros after, where recgen_aligned4(src) holds (four elements at once) and dst is 16-byte
-    # aligned (src: floats, or halves widened on the way); recgen_load4(p) and
+    # aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
+    # src floats or halves (widened on the way), every fetch of a pass before its puts; recgen_load4(p) and
     # recgen_store4(p, x): four floats of group or device memory at p, 16-byte aligned
     group_copy_prelude: str = ""
     # the qualifier that aligns a declared group array to 16 bytes (the four-float copies' rows)
@@ -136,6 +137,19 @@ inline void recgen_copy4_to_group(threadgroup float* dst, Source src, int n) {
 template <typename Source>  // plain loads: any element's address will do
 inline bool recgen_aligned4(Source) {
   return true;
+}
+// a copy of four elements in two parts (recgen_fetch4, then recgen_put4 after every fetch of
+// the pass): plain loads, then plain stores
+template <typename Source>
+inline float4 recgen_fetch4(threadgroup float*, Source src, int n) {
+  return float4(n > 0 ? float(src[0]) : 0.0f, n > 1 ? float(src[1]) : 0.0f,
+                n > 2 ? float(src[2]) : 0.0f, n > 3 ? float(src[3]) : 0.0f);
+}
+inline void recgen_put4(threadgroup float* dst, float4 x) {
+  dst[0] = x.x;
+  dst[1] = x.y;
+  dst[2] = x.z;
+  dst[3] = x.w;
 }
 inline void recgen_group_copies_done() {}
 // four floats of a tile's row, read or written as one (plain accesses: any float's address will do)
@@ -318,31 +332,47 @@ __device__ inline void recgen_copy4_to_group(float* dst, const float* src, int n
 __device__ inline bool recgen_aligned4(const float* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
-// halves (bf16, fp16) widen to floats on their way: through registers, as cp.async copies
-// bytes; four halves are one 8-byte load
-__device__ inline float2 recgen_widen2(unsigned w, const __nv_bfloat16*) {
+// a copy of four elements of a factor's row in two parts, so that a thread's copies of a
+// pass are in flight together: recgen_fetch4 starts it (n elements, zeros after), recgen_put4,
+// after every fetch of the pass, ends it. Floats: cp.async, which lands the bytes by itself.
+struct recgen_copy_in_flight {};
+__device__ inline recgen_copy_in_flight recgen_fetch4(float* dst, const float* src, int n) {
+  recgen_copy4_to_group(dst, src, n);
+  return {};
+}
+__device__ inline void recgen_put4(float*, recgen_copy_in_flight) {}
+// Halves (bf16, fp16) widen to floats on their way, which cp.async (a copy of bytes) cannot:
+// an 8-byte load into registers (src aligned to 8 bytes), widened when put
+template <typename Half>
+struct recgen_halves4 {
+  uint2 bits;
+};
+__device__ inline float2 recgen_widen2(unsigned w, recgen_halves4<__nv_bfloat16>) {
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
-__device__ inline float2 recgen_widen2(unsigned w, const __half*) {
+__device__ inline float2 recgen_widen2(unsigned w, recgen_halves4<__half>) {
   return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+template <typename Half>
+__device__ inline recgen_halves4<Half> recgen_fetch4(float*, const Half* src, int n) {
+  if (n == 4) {
+    return {__ldg(reinterpret_cast<const uint2*>(src))};
+  }
+  const unsigned short* bits = reinterpret_cast<const unsigned short*>(src);
+  unsigned e[4];
+  for (int i = 0; i < 4; ++i) {
+    e[i] = i < n ? bits[i] : 0u;  // zero bits: 0.0 in either format
+  }
+  return {make_uint2(e[0] | e[1] << 16, e[2] | e[3] << 16)};
+}
+template <typename Half>
+__device__ inline void recgen_put4(float* dst, recgen_halves4<Half> x) {
+  const float2 lo = recgen_widen2(x.bits.x, x), hi = recgen_widen2(x.bits.y, x);
+  *reinterpret_cast<float4*>(dst) = make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 template <typename Half>
 __device__ inline void recgen_copy_to_group(float* dst, const Half* src, bool ok) {
   *dst = ok ? float(*src) : 0.0f;
-}
-template <typename Half>
-__device__ inline void recgen_copy4_to_group(float* dst, const Half* src, int n) {
-  float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (n == 4) {
-    const uint2 w = *reinterpret_cast<const uint2*>(src);
-    const float2 lo = recgen_widen2(w.x, src), hi = recgen_widen2(w.y, src);
-    x = make_float4(lo.x, lo.y, hi.x, hi.y);
-  } else {
-    x.x = n > 0 ? float(src[0]) : 0.0f;
-    x.y = n > 1 ? float(src[1]) : 0.0f;
-    x.z = n > 2 ? float(src[2]) : 0.0f;
-  }
-  *reinterpret_cast<float4*>(dst) = x;
 }
 template <typename Half>
 __device__ inline bool recgen_aligned4(const Half* p) {
