@@ -189,10 +189,11 @@ class MatrixKernels:
         return self._factory(name=name, input_names=ins, output_names=outs, source=body,
                              header=header, **launch)
 
-    def _kernel(self, shape, kind, inputs=()):
-        """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads, which may be
-        in half precision: ``_halves``)."""
-        halves = _halves([x.dtype for x in inputs])
+    def _kernel(self, shape, kind, inputs=(), outputs=()):
+        """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads) and the dtypes
+        of its first ``outputs`` (the gradients it writes, else fp32), either of which may be in
+        half precision (``_halves``)."""
+        halves = _halves([x.dtype for x in inputs]) + _halves(outputs, "o")
 
         def build():
             memory = MatrixRenderer(self.dialect, shape).memory(kind)
@@ -281,8 +282,9 @@ class MatrixKernels:
             output_dtypes=[mx.float32] * (3 if adjoint else 1))
         return outs if adjoint else outs[0]
 
-    def chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving):
-        """The chunks' backward in one kernel: ``(dc, da, db)`` ``(I, T, X)``, the rows' sums
+    def chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving, grads=None):
+        """The chunks' backward in one kernel: ``(dc, da, db)`` ``(I, T, X)`` (in the dtypes
+        ``grads``, fp32 by default), the rows' sums
         that carry the cotangents of ``exp(R)`` and ``exp(Λ_C - Λ)`` (``Σ_k c (dy Sᵀ)``,
         ``Σ_k a (b Gᵀ)``, ``(I, T)``), each chunk's ``Σ S ∘ G`` (that of ``exp(Λ_C)``,
         ``(I, nc)``) and the cotangent of ``log d`` through the causal weights ``(I, T)``;
@@ -291,11 +293,12 @@ class MatrixKernels:
         I, V = math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
         threads = group_threads("chunk_gradients")
-        return self._kernel(shape, "chunk_gradients", (c, a, b, dy))(
+        grads = list(grads or _FP32_GRADS)
+        return self._kernel(shape, "chunk_gradients", (c, a, b, dy), grads)(
             inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving],
             grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T), (I, T), (I, nc), (I, T)],
-            output_dtypes=[mx.float32] * 7)
+            output_dtypes=grads + [mx.float32] * 4)
 
     def gradients(self, shape, cc, ac, dy_S, dW_a, dW_c, b_G, a_G, W_dy, e_row, e_end):
         """``(dc, da, db, Σ_k c dy_S, Σ_k a b_G)`` by chunk from the products (``(I, nc, C, X)``)
@@ -373,12 +376,15 @@ class MatrixKernels:
         return scores
 
     # -- the custom function ---------------------------------------------------------------------
-    def core(self, shape):
+    def core(self, shape, grads=None):
         """``(c, a, b, log_d, sign, S0) -> (y, S_final, S_start)`` with its VJP (module
-        docstring); ``sign`` is read for a ``signed`` shape only (pass any array else)."""
-        return self._cores.get_or_build(shape, lambda: self._build_core(shape))
+        docstring); ``sign`` is read for a ``signed`` shape only (pass any array else).
+        ``grads``: the dtypes of the gradients of ``c``, ``a`` and ``b`` (fp32 by default; half
+        precision for a factor whose gradient is final, nothing added to it after)."""
+        grads = tuple(grads or _FP32_GRADS)
+        return self._cores.get_or_build((shape, grads), lambda: self._build_core(shape, grads))
 
-    def _build_core(self, shape):
+    def _build_core(self, shape, grads):
         # c, a, b: (*batch, T, X), read where they lie by the forward's kernels; the VJP and the
         # forward-mode rule take them as (instance, T, X)
         @mx.custom_function
@@ -396,11 +402,13 @@ class MatrixKernels:
             if shape.gradient_tiles is None or GRADIENTS_BY_MATMULS.get(self.backend, False):
                 dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b), log_d,
                                                             signs, dy, starts, leaving)
+                dc, da, db = (g.astype(d) for g, d in zip((dc, da, db), grads))
             else:
                 dc, da, db, d_log_d = self._chunk_gradients_in_one(shape, c, a, b, log_d, signs,
-                                                                   dy, starts, leaving)
-            # fp32 gradients, a factor given in half precision too: its uses' gradients are
-            # summed before one rounding (``mlx_matrix.read_as_given``)
+                                                                   dy, starts, leaving, grads)
+            # fp32 gradients unless ``grads`` says otherwise: a factor given in half precision
+            # whose input has other uses gets them summed before one rounding
+            # (``mlx_matrix.read_as_given``)
             return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape), d_log_d,
                     mx.zeros_like(sign), d_init)
 
@@ -428,11 +436,13 @@ class MatrixKernels:
 
         return core
 
-    def _chunk_gradients_in_one(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
+    def _chunk_gradients_in_one(self, shape, c, a, b, log_d, sign, dy, starts, leaving,
+                                grads=None):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk,
-        the chunk-gradients kernel's; MLX takes the exponentials' cotangents onto ``log d``."""
+        the chunk-gradients kernel's (``dc, da, db`` in the dtypes ``grads``); MLX takes the
+        exponentials' cotangents onto ``log d``."""
         dc, da, db, row_c, row_a, whole, d_log_d = self.chunk_gradients(
-            shape, c, a, b, dy, log_d, sign, starts, leaving)
+            shape, c, a, b, dy, log_d, sign, starts, leaving, grads)
         chunks = MatrixChunks(log_d.shape[-1], shape.C, 1)
         d_lam = _through_exponentials(shape, chunks, log_d, sign,
                                       *(chunks.cut(x[..., None]) for x in (row_c, row_a)),
@@ -511,12 +521,14 @@ def _instances(*xs):
 
 
 _HALF_TAGS = {mx.bfloat16: "bf16", mx.float16: "f16"}
+_FP32_GRADS = (mx.float32,) * 3
 
 
-def _halves(dtypes) -> tuple:
-    """The positions and dtypes of the factors a kernel reads in half precision, as name parts
-    (``("0bf16", "1bf16")``): the same kernel text compiles to another kernel for them."""
-    return tuple(f"{i}{_HALF_TAGS[d]}" for i, d in enumerate(dtypes) if d in _HALF_TAGS)
+def _halves(dtypes, prefix="") -> tuple:
+    """The positions and dtypes of a kernel's factors (its gradients: ``prefix`` ``o``) in half
+    precision, as name parts (``("0bf16", "1bf16")``): the same kernel text compiles to
+    another kernel for them."""
+    return tuple(f"{prefix}{i}{_HALF_TAGS[d]}" for i, d in enumerate(dtypes) if d in _HALF_TAGS)
 
 
 def _exponentials(lam, inclusive):
@@ -575,8 +587,12 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
     read = [n for n in ins if n in _FACTORS] if kind in STRIDED else []
+    # gradients the kernel writes in the factors' dtype (``MatrixKernels.core``'s ``grads``)
+    written = ["dc", "da", "db"] if kind == "chunk_gradients" else []
     if factors != mx.float32 and read:  # the same text under the name MLX would give it
-        name, *_ = MatrixKernels._text(kernels.dialect, shape, kind, _halves([factors] * len(read)))
+        name, *_ = MatrixKernels._text(kernels.dialect, shape, kind,
+                                       _halves([factors] * len(read)) +
+                                       _halves([factors] * len(written), "o"))
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
              **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
@@ -584,7 +600,8 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     dtypes = {n: factors for n in read}
     infos = [_ArrayInfo(mx.int32 if n == "dims" else dtypes.get(n, mx.float32), ranks.get(n, 3))
              for n in ins]
-    return build(name, ins, outs, body, header, infos, [mx.float32] * len(outs), [])[1]
+    return build(name, ins, outs, body, header, infos,
+                 [factors if n in written else mx.float32 for n in outs], [])[1]
 
 
 _FACTORS = ("c", "a", "b", "x", "y")  # the factors a kernel may take in half precision

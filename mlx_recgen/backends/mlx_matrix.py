@@ -35,6 +35,7 @@ the inputs), and every MLX transformation applies.
 
 from __future__ import annotations
 
+import collections
 import functools
 import operator
 
@@ -100,15 +101,27 @@ def _as_fp32(x):
 @mx.custom_function
 def read_as_given(x):
     """``x``, an input in half precision that the matrix kernels read as given (widening it as
-    they read): the identity, whose VJP returns the cotangent, which the kernels give in fp32
-    and MLX sums over every use of ``x`` in fp32, rounded once to ``x``'s dtype (as the VJP of
-    a conversion to fp32 would)."""
+    they read): the identity, whose VJP rounds the cotangent to ``x``'s dtype once, after MLX
+    has summed every use's in fp32 (the kernels' and those through ``widened``)."""
     return x
 
 
 @read_as_given.vjp
 def _read_as_given_vjp(primals, cotangent, _):
     return cotangent.astype(primals[0].dtype)
+
+
+@mx.custom_function
+def widened(x):
+    """``x`` in fp32, for the uses of an input in half precision below ``read_as_given``: its
+    VJP keeps the cotangent in fp32 (a conversion's would round it to ``x``'s dtype, and the
+    sum of the uses' cotangents would round again)."""
+    return x.astype(mx.float32)
+
+
+@widened.vjp
+def _widened_vjp(primals, cotangent, _):
+    return cotangent
 
 
 @mx.custom_function
@@ -251,9 +264,11 @@ class MatrixForm(SequentialForm):
         self.along = {}  # (state, read) -> the term whose vector the read's α and β scale
         # (what, s, i, r) -> the input (tensor, component) a kernel factor is, as it is given
         self.bare = {}
+        every = []  # every expression of the call, for the inputs each reads
 
         def add(expr, what, s=None, i=None, r=None):
             expr = sympy.sympify(expr)
+            every.append(expr)
             g = self._group_of(expr) if what in ("a", "c") and not \
                 form.states[s].vector_decay else None
             self.level[(what, s, i, r)] = g
@@ -306,6 +321,22 @@ class MatrixForm(SequentialForm):
                 add(lane_sum(ro.rest, f"rest{i}_"), "rest", None, i)
             for p, w in ro.reads.items():  # the weight of a delta rule's read ρ: Σ_n w[n] ρ
                 add(lane_sum(w, f"read{i}_"), "read", None, i, p)
+        # the factors whose input nothing else reads: the kernels' gradient of such a factor
+        # is the input's whole gradient, so it may be written in the input's dtype. What the
+        # call reads: the factors, the sums of state-free parts, the outputs and the sums over
+        # the state axis these read (not the readouts, which the chunk products replace)
+        every += [body for _, body in sums] + list(ir.outputs.values())
+        sums_of = {r.target: r.body for r in ir.reductions
+                   if r.target not in {ro.target for ro in form.readouts}}
+        pending = [x for e in every for x in e.free_symbols if x in sums_of]
+        while pending:
+            body = sums_of.pop(pending.pop(), None)
+            if body is not None:
+                every.append(body)
+                pending += [x for x in body.free_symbols if x in sums_of]
+        readers = collections.Counter(self.table.key[sym][1] for e in every
+                                      for sym in e.free_symbols if sym in self.table.key)
+        self.alone = {key for key, slot in self.bare.items() if readers[slot] == 1}
         self.factors = render_mlx(_program(ir, exprs, sums), "matrix_factors")
         self.group_factors = {g: (render_mlx(_program(ir, e), f"matrix_factors_{g}"), layout)
                               for g, (e, layout) in by_group.items()}
@@ -344,10 +375,11 @@ class MatrixForm(SequentialForm):
         batch axes, ``(*batch, T, V or 1, K or 1)`` (parameters with a time axis of 1), fp32,
         group axes expanded: the layout of the chunked products, so no transposition follows.
         Also those that carry a group axis as given (the group axis in place of the grouped
-        one), for the factors evaluated per group. Third, the inputs with the time axis given
-        in half precision, as given (the same two kinds by ``(tensor, component)`` and
-        ``(tensor, component, "grouped")``), for the kernels, which widen them as they read
-        them (``_half_factors``); their fp32 copies are then never evaluated."""
+        one), for the factors evaluated per group. Third, where the kernels run, the inputs
+        with the time axis given in half precision, as given (the same two kinds by
+        ``(tensor, component)`` and ``(tensor, component, "grouped")``), which the kernels widen
+        as they read them (``_half_factors``; an fp32 copy that no factor needs is never
+        evaluated); every use of such an input hangs below one ``read_as_given``."""
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
         out, grouped = {}, {}
         # a parameter spread over time and the batch axes no group touches, so that its
@@ -364,26 +396,27 @@ class MatrixForm(SequentialForm):
         def parts(t, x):  # by component, as given (half precision kept)
             return dict(enumerate(to_canonical(spec, expanded(spec, t), x)))
 
-        def cast(t, given):
-            return {(t.name, c): _as_fp32(part) if t.has_time else parameter(part)
+        def cast(t, given, widen=_as_fp32):
+            return {(t.name, c): widen(part) if t.has_time else parameter(part)
                     for c, part in given.items()}
 
         halves = {}
         for t, x in zip(spec.inputs.values(), inputs):
+            half = t.has_time and x.dtype in (mx.bfloat16, mx.float16) and self._kernels_on()
+            if half:  # one node below which every use's cotangent is summed in fp32
+                x = read_as_given(x)
             given = parts(t, x)
-            grouped.update(cast(t, given))
+            grouped.update(cast(t, given, widened if half else _as_fp32))
             # without a group axis the expanded arrays are the same ones
             if expanded(spec, t) is t:
                 members = given
                 out.update({(t.name, c): grouped[(t.name, c)] for c in given})
             else:
                 members = parts(t, expand_groups(spec, t, x, sizes))
-                out.update(cast(t, members))
-            if t.has_time and x.dtype in (mx.bfloat16, mx.float16):
-                as_given = {c: read_as_given(part) for c, part in given.items()}
-                halves.update({(t.name, c, "grouped"): part for c, part in as_given.items()})
-                halves.update({(t.name, c): read_as_given(part) if members is not given else
-                               as_given[c] for c, part in members.items()})
+                out.update(cast(t, members, widened if half else _as_fp32))
+            if half:
+                halves.update({(t.name, c, "grouped"): part for c, part in given.items()})
+                halves.update({(t.name, c): part for c, part in members.items()})
         return out, grouped, halves
 
     def _factors(self, values: dict, grouped: dict, sizes: dict, ones):
@@ -468,9 +501,9 @@ class MatrixForm(SequentialForm):
             S0 = self._state(states, st, sizes)  # (*batch, K, V)
             served = self._kernel_core(st, S0, seg)
             if served is not None:
-                core, i = served
-                factors = {**f, **self._half_factors(halves, sizes)}
-                y, S = self._run_core(core, st, s, i, factors, members, S0)
+                shape, i = served
+                half = self._half_factors(halves, sizes)
+                y, S = self._run_core(shape, st, s, i, f, half, members, S0)
                 _add_to(direct, i, y)
                 finals.append(S)
                 continue
@@ -582,24 +615,27 @@ class MatrixForm(SequentialForm):
         return self.kernels is not None and kernels_enabled(self.kernels.backend)
 
     def _kernel_core(self, st, S0, seg):
-        """``(core, readout index)`` where the kernels run state ``st`` (a scalar decay, one
-        added term, one readout, a tiling that fits group memory), else None."""
+        """``(kernels' shape, readout index)`` where the kernels run state ``st`` (a scalar
+        decay, one added term, one readout, a tiling that fits group memory), else None."""
         flags = kernel_flags(self.form, st) if self._kernels_on() else None
         if flags is None:
             return None
         i, inclusive, signed, diagonal = flags
         K, V = S0.shape[-2:]
         shape = self.kernels.shape(kernel_chunk(seg), K, V, inclusive, signed, diagonal=diagonal)
-        return None if shape is None else (self.kernels.core(shape), i)
+        return None if shape is None else (shape, i)
 
-    def _run_core(self, core, st, s, i, f, members, S0):
+    def _run_core(self, shape, st, s, i, f, half, members, S0):
         """Readouts ``(*batch, T, V)`` and final state of state ``s`` from the kernels' core
-        (``f``: the factors, those given in half precision as given)."""
+        of ``shape``, on the factors ``f`` (those given in half precision as given, ``half``:
+        their gradients in that precision where nothing else reads their input)."""
         nb = len(self.rec.spec.batch_axes)
         batch, (K, V) = S0.shape[:nb], S0.shape[nb:]
-        c = _spread(members, self.level[("c", s, i, None)], f[("c", s, i, None)])
-        a = _spread(members, self.level[("a", s, None, 0)], f[("a", s, None, 0)])
-        b = f[("b", s, None, 0)]
+        keys = [("c", s, i, None), ("a", s, None, 0), ("b", s, None, 0)]
+        c, a, b = (_spread(members, self.level[k], half.get(k, f[k])) for k in keys)
+        grads = [half[k].dtype if k in half and k in self.alone and self.level[k] is None
+                 else mx.float32 for k in keys]
+        core = self.kernels.core(shape, grads)
         log_d = mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR)
         T = log_d.shape[-2]
         # the factors as (*batch, T, X) views, read where they lie (``matrix_kernels.STRIDED``)
@@ -851,4 +887,5 @@ class MatrixForm(SequentialForm):
         return grads, d_init
 
 
-__all__ = ["MatrixForm", "SUB", "chunk_chain", "read_as_given", "unit_lower_inverse"]
+__all__ = ["MatrixForm", "SUB", "chunk_chain", "read_as_given", "unit_lower_inverse",
+           "widened"]

@@ -45,7 +45,9 @@ class Dialect:
     # zeros after, where recgen_aligned4(src) holds (four elements at once) and dst is 16-byte
     # aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
     # src floats or halves (widened on the way), every fetch of a pass before its puts; recgen_load4(p) and
-    # recgen_store4(p, x): four floats of group or device memory at p, 16-byte aligned
+    # recgen_store4(p, x): four floats of group or device memory at p, 16-byte aligned (a store
+    # to device memory of halves rounds them, 8-byte aligned); recgen_store1(p, x): one float
+    # to device memory of floats or halves
     group_copy_prelude: str = ""
     # the qualifier that aligns a declared group array to 16 bytes (the four-float copies' rows)
     shared_align: str = ""
@@ -157,12 +159,16 @@ template <typename P>
 inline float4 recgen_load4(P p) {
   return float4(p[0], p[1], p[2], p[3]);
 }
-template <typename P>
+template <typename P>  // floats or halves (rounded to nearest)
 inline void recgen_store4(P p, float4 x) {
   p[0] = x.x;
   p[1] = x.y;
   p[2] = x.z;
   p[3] = x.w;
+}
+template <typename P>  // one float to device memory of floats or halves
+inline void recgen_store1(P p, float x) {
+  *p = x;
 }
 inline float4 recgen_zeros4() {
   return float4(0.0f);
@@ -387,6 +393,29 @@ __device__ inline float4 recgen_load4(const float* p) {
 }
 __device__ inline void recgen_store4(float* p, float4 x) {
   *reinterpret_cast<float4*>(p) = x;
+}
+// to device memory of halves, rounded to nearest: four in one 8-byte store (p 8-byte aligned)
+__device__ inline unsigned recgen_narrow2(float a, float b, const __nv_bfloat16*) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+__device__ inline unsigned recgen_narrow2(float a, float b, const __half*) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <typename Half>
+__device__ inline void recgen_store4(Half* p, float4 x) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(recgen_narrow2(x.x, x.y, p), recgen_narrow2(x.z, x.w, p));
+}
+// one float to device memory of floats or halves
+__device__ inline void recgen_store1(float* p, float x) {
+  *p = x;
+}
+__device__ inline void recgen_store1(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16_rn(x);
+}
+__device__ inline void recgen_store1(__half* p, float x) {
+  *p = __float2half_rn(x);
 }
 __device__ inline float4 recgen_zeros4() {
   return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
