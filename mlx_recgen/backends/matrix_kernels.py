@@ -241,19 +241,21 @@ class MatrixKernels:
             grid=(elements, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32, mx.float32])
 
-    def outputs(self, shape, c, a, b, log_d, sign, starts):
-        """The readouts ``(I, T, V)`` of the chunks, from the state entering each: in the
-        outputs kernel, or (``OUTPUTS_BY_MATMULS``) as MLX's matmuls around the weights kernel."""
+    def outputs(self, shape, c, a, b, log_d, sign, starts, out=mx.float32):
+        """The readouts ``(I, T, V)`` of the chunks (in the dtype ``out``), from the state
+        entering each: in the outputs kernel, or (``OUTPUTS_BY_MATMULS``) as MLX's matmuls
+        around the weights kernel."""
         if OUTPUTS_BY_MATMULS.get(self.backend, False):
-            return self._outputs_by_matmuls(shape, *_instances(c, a, b), log_d, sign, starts)
+            return self._outputs_by_matmuls(shape, *_instances(c, a, b), log_d, sign,
+                                            starts).astype(out)
         T, I, V = c.shape[-2], math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
         groups = I * nc * -(-V // shape.VT)
-        return self._kernel(shape, "outputs", (c, a, b))(
+        return self._kernel(shape, "outputs", (c, a, b), (out,))(
             inputs=[c, a, b, log_d, *_signs(sign), starts],
             grid=(groups * group_threads("outputs"), 1, 1),
             threadgroup=(group_threads("outputs"), 1, 1),
-            output_shapes=[(I, T, V)], output_dtypes=[mx.float32])[0]
+            output_shapes=[(I, T, V)], output_dtypes=[out])[0]
 
     def _outputs_by_matmuls(self, shape, c, a, b, log_d, sign, starts):
         """``(W @ b + exp(R) ⊙ (c @ S_start))`` by chunk: the products are MLX's (cuBLAS on
@@ -376,15 +378,17 @@ class MatrixKernels:
         return scores
 
     # -- the custom function ---------------------------------------------------------------------
-    def core(self, shape, grads=None):
+    def core(self, shape, grads=None, out=mx.float32):
         """``(c, a, b, log_d, sign, S0) -> (y, S_final, S_start)`` with its VJP (module
         docstring); ``sign`` is read for a ``signed`` shape only (pass any array else).
         ``grads``: the dtypes of the gradients of ``c``, ``a`` and ``b`` (fp32 by default; half
-        precision for a factor whose gradient is final, nothing added to it after)."""
+        precision for a factor whose gradient is final, nothing added to it after); ``out``:
+        the readouts' (half precision where they are the call's outputs as they are)."""
         grads = tuple(grads or _FP32_GRADS)
-        return self._cores.get_or_build((shape, grads), lambda: self._build_core(shape, grads))
+        return self._cores.get_or_build((shape, grads, out),
+                                        lambda: self._build_core(shape, grads, out))
 
-    def _build_core(self, shape, grads):
+    def _build_core(self, shape, grads, out):
         # c, a, b: (*batch, T, X), read where they lie by the forward's kernels; the VJP and the
         # forward-mode rule take them as (instance, T, X)
         @mx.custom_function
@@ -394,7 +398,7 @@ class MatrixKernels:
             c, a, b, log_d, sign, init = opaque([c, a, b, log_d, sign, init], self.backend)
             sign = sign if shape.signed else None
             starts, last = self.states(shape, a, b, log_d, sign, init)
-            return self.outputs(shape, c, a, b, log_d, sign, starts), last, starts
+            return self.outputs(shape, c, a, b, log_d, sign, starts, out), last, starts
 
         def backward(c, a, b, log_d, sign, dy, d_last, starts):
             signs = sign if shape.signed else None
@@ -428,7 +432,8 @@ class MatrixKernels:
             moving = (0, 1, 2, 3, 5)  # every argument but the sign
 
             def values(c, a, b, log_d, init):
-                return core_in_ops(shape, *_instances(c, a, b), log_d, sign, init)
+                y, last, starts = core_in_ops(shape, *_instances(c, a, b), log_d, sign, init)
+                return y.astype(out), last, starts
 
             return mx.jvp(values, [primals[i] for i in moving],
                           [mx.zeros_like(primals[i]) if tangents[i] is None else tangents[i]
@@ -587,8 +592,9 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
     read = [n for n in ins if n in _FACTORS] if kind in STRIDED else []
-    # gradients the kernel writes in the factors' dtype (``MatrixKernels.core``'s ``grads``)
-    written = ["dc", "da", "db"] if kind == "chunk_gradients" else []
+    # gradients and readouts the kernel writes in the factors' dtype (``MatrixKernels.core``'s
+    # ``grads`` and ``out``)
+    written = {"chunk_gradients": ["dc", "da", "db"], "outputs": ["out"]}.get(kind, [])
     if factors != mx.float32 and read:  # the same text under the name MLX would give it
         name, *_ = MatrixKernels._text(kernels.dialect, shape, kind,
                                        _halves([factors] * len(read)) +

@@ -337,6 +337,13 @@ class MatrixForm(SequentialForm):
         readers = collections.Counter(self.table.key[sym][1] for e in every
                                       for sym in e.free_symbols if sym in self.table.key)
         self.alone = {key for key, slot in self.bare.items() if readers[slot] == 1}
+        # the readouts that are outputs as they are (read from one state, with no rest and no
+        # delta-rule read, and read by no other output): the kernels may write them in the
+        # outputs' dtype
+        targets = collections.Counter(x for e in ir.outputs.values() for x in e.free_symbols)
+        self.plain = {i for i, ro in enumerate(form.readouts)
+                      if ro.rest == 0 and not ro.reads and len(ro.coefficients) == 1
+                      and targets[ro.target] == sum(e == ro.target for e in ir.outputs.values())}
         self.factors = render_mlx(_program(ir, exprs, sums), "matrix_factors")
         self.group_factors = {g: (render_mlx(_program(ir, e), f"matrix_factors_{g}"), layout)
                               for g, (e, layout) in by_group.items()}
@@ -472,8 +479,10 @@ class MatrixForm(SequentialForm):
         return out
 
     # -- one call --------------------------------------------------------------------------------
-    def run(self, inputs, states, sizes, seg, operands=mx.float32, transitions=False):
-        """Outputs (canonical, ``(*batch, T, V, 1)``, fp32) and final states (``(*batch, K, V)``).
+    def run(self, inputs, states, sizes, seg, operands=mx.float32, transitions=False,
+            out_dtype=mx.float32):
+        """Outputs (canonical, ``(*batch, T, V, 1)``, fp32, or ``out_dtype`` where the kernels
+        write an output as it is: ``plain``) and final states (``(*batch, K, V)``).
         ``operands``: the dtype of the products' operands within a chunk (accumulation and
         the states between chunks stay fp32). ``transitions``: instead, ``(P, final states)`` with
         ``P`` every state's ``K x K`` map of the whole call, ``S_end = P S_start + b``, per
@@ -503,7 +512,8 @@ class MatrixForm(SequentialForm):
             if served is not None:
                 shape, i = served
                 half = self._half_factors(halves, sizes)
-                y, S = self._run_core(shape, st, s, i, f, half, members, S0)
+                y, S = self._run_core(shape, st, s, i, f, half, members, S0,
+                                      out_dtype if i in self.plain else mx.float32)
                 _add_to(direct, i, y)
                 finals.append(S)
                 continue
@@ -625,17 +635,18 @@ class MatrixForm(SequentialForm):
         shape = self.kernels.shape(kernel_chunk(seg), K, V, inclusive, signed, diagonal=diagonal)
         return None if shape is None else (shape, i)
 
-    def _run_core(self, shape, st, s, i, f, half, members, S0):
-        """Readouts ``(*batch, T, V)`` and final state of state ``s`` from the kernels' core
-        of ``shape``, on the factors ``f`` (those given in half precision as given, ``half``:
-        their gradients in that precision where nothing else reads their input)."""
+    def _run_core(self, shape, st, s, i, f, half, members, S0, out=mx.float32):
+        """Readouts ``(*batch, T, V)`` (in the dtype ``out``) and final state of state ``s``
+        from the kernels' core of ``shape``, on the factors ``f`` (those given in half
+        precision as given, ``half``: their gradients in that precision where nothing else
+        reads their input)."""
         nb = len(self.rec.spec.batch_axes)
         batch, (K, V) = S0.shape[:nb], S0.shape[nb:]
         keys = [("c", s, i, None), ("a", s, None, 0), ("b", s, None, 0)]
         c, a, b = (_spread(members, self.level[k], half.get(k, f[k])) for k in keys)
         grads = [half[k].dtype if k in half and k in self.alone and self.level[k] is None
                  else mx.float32 for k in keys]
-        core = self.kernels.core(shape, grads)
+        core = self.kernels.core(shape, grads, out)
         log_d = mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR)
         T = log_d.shape[-2]
         # the factors as (*batch, T, X) views, read where they lie (``matrix_kernels.STRIDED``)
@@ -794,16 +805,18 @@ class MatrixForm(SequentialForm):
         return outputs, self._declared(last, self.table.states)
 
     # -- the backend's interface -----------------------------------------------------------------
-    def _call_declared(self, sizes, seg, *arrays):
-        """Outputs (fp32) and final states in their declared layouts, from the inputs and the
-        initial states: the whole computation, for ``mx.compile``. Half-precision inputs
-        (all of the floating-point ones) multiply in their dtype within a chunk."""
+    def _call_declared(self, sizes, seg, out_dtype, *arrays):
+        """Outputs (in ``out_dtype``) and final states in their declared layouts, from the
+        inputs and the initial states: the whole computation, for ``mx.compile``.
+        Half-precision inputs (all of the floating-point ones) multiply in their dtype within a
+        chunk."""
         n = len(self.rec.spec.inputs)
         floats = {x.dtype for x in arrays[:n] if mx.issubdtype(x.dtype, mx.floating)}
         operands = floats.pop() if len(floats) == 1 and floats <= {mx.bfloat16, mx.float16} \
             else mx.float32
-        outs, finals = self.run(list(arrays[:n]), list(arrays[n:]), dict(sizes), seg, operands)
-        outputs, finals = self._results(outs, finals, mx.float32, dict(sizes))
+        outs, finals = self.run(list(arrays[:n]), list(arrays[n:]), dict(sizes), seg, operands,
+                                out_dtype=out_dtype)
+        outputs, finals = self._results(outs, finals, out_dtype, dict(sizes))
         return (*outputs, *finals)
 
     def _compiles(self) -> bool:
@@ -816,12 +829,13 @@ class MatrixForm(SequentialForm):
         return mx.default_device().type == mx.gpu and (
             not self._kernels_on() or self.kernels.backend in COMPILED_BACKENDS)
 
-    def _compiled(self, sizes, seg):
+    def _compiled(self, sizes, seg, out_dtype):
         """The computation for these sizes, compiled where ``_compiles``."""
-        key = (tuple(sorted(sizes.items())), seg, self._compiles(), self._kernels_on())
+        key = (tuple(sorted(sizes.items())), seg, self._compiles(), self._kernels_on(),
+               out_dtype)
 
         def build():
-            call = functools.partial(self._call_declared, key[0], seg)
+            call = functools.partial(self._call_declared, key[0], seg, out_dtype)
             return mx.compile(call) if key[2] else call
 
         return self._compiled_calls.get_or_build(key, build)
@@ -848,9 +862,9 @@ class MatrixForm(SequentialForm):
         return run
 
     def forward(self, inputs, states, sizes, seg, out_dtype):
-        results = self._compiled(sizes, seg)(*inputs, *states)
+        results = self._compiled(sizes, seg, out_dtype)(*inputs, *states)
         n_out = len(self.rec.spec.outputs)
-        return [y.astype(out_dtype) for y in results[:n_out]], list(results[n_out:]), []
+        return list(results[:n_out]), list(results[n_out:]), []
 
     def _gradients(self, sizes, seg):
         """``(inputs, states, cotangents) -> (input gradients, initial-state gradients)``: MLX's
@@ -868,7 +882,8 @@ class MatrixForm(SequentialForm):
                     xs = list(inputs)
                     for i, x in zip(diff, primals[:len(diff)]):
                         xs[i] = x
-                    return self._call_declared(key[1], seg, *xs, *primals[len(diff):])
+                    return self._call_declared(key[1], seg, mx.float32, *xs,
+                                               *primals[len(diff):])
 
                 primals = [inputs[i] for i in diff] + states
                 return tuple(mx.vjp(f, primals, list(arrays[n_in + n_state:]))[1])
