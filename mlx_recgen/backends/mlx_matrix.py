@@ -337,6 +337,10 @@ class MatrixForm(SequentialForm):
         readers = collections.Counter(self.table.key[sym][1] for e in every
                                       for sym in e.free_symbols if sym in self.table.key)
         self.alone = {key for key, slot in self.bare.items() if readers[slot] == 1}
+        # the inputs the kernels may read as given (a factor of a state they serve); others in
+        # half precision are converted as before, a conversion MLX fuses with what reads it
+        self.as_given = {slot[0] for (_, s, _, _), slot in self.bare.items()
+                         if kernel_flags(form, form.states[s]) is not None}
         # the readouts that are outputs as they are (read from one state, with no rest and no
         # delta-rule read, and read by no other output): the kernels may write them in the
         # outputs' dtype
@@ -382,10 +386,10 @@ class MatrixForm(SequentialForm):
         batch axes, ``(*batch, T, V or 1, K or 1)`` (parameters with a time axis of 1), fp32,
         group axes expanded: the layout of the chunked products, so no transposition follows.
         Also those that carry a group axis as given (the group axis in place of the grouped
-        one), for the factors evaluated per group. Third, where the kernels run, the inputs
-        with the time axis given in half precision, as given (the same two kinds by
-        ``(tensor, component)`` and ``(tensor, component, "grouped")``), which the kernels widen
-        as they read them (``_half_factors``; an fp32 copy that no factor needs is never
+        one), for the factors evaluated per group. Third, where the kernels run, the inputs of
+        ``as_given`` with the time axis given in half precision, as given (the same two kinds
+        by ``(tensor, component)`` and ``(tensor, component, "grouped")``), which the kernels
+        widen as they read them (``_half_factors``; an fp32 copy that no factor needs is never
         evaluated); every use of such an input hangs below one ``read_as_given``."""
         spec, nb = self.rec.spec, len(self.rec.spec.batch_axes)
         out, grouped = {}, {}
@@ -409,7 +413,8 @@ class MatrixForm(SequentialForm):
 
         halves = {}
         for t, x in zip(spec.inputs.values(), inputs):
-            half = t.has_time and x.dtype in (mx.bfloat16, mx.float16) and self._kernels_on()
+            half = t.name in self.as_given and x.dtype in (mx.bfloat16, mx.float16) and \
+                t.has_time and self._kernels_on()
             if half:  # one node below which every use's cotangent is summed in fp32
                 x = read_as_given(x)
             given = parts(t, x)

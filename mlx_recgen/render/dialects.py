@@ -44,10 +44,10 @@ class Dialect:
     # recgen_copy4_to_group(dst, src, n): four floats, the first n of src (0 <= n <= 4) and
     # zeros after, where recgen_aligned4(src) holds (four elements at once) and dst is 16-byte
     # aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
-    # src floats or halves (widened on the way), every fetch of a pass before its puts; recgen_load4(p) and
-    # recgen_store4(p, x): four floats of group or device memory at p, 16-byte aligned (a store
-    # to device memory of halves rounds them, 8-byte aligned); recgen_store1(p, x): one float
-    # to device memory of floats or halves
+    # src floats or halves (widened on the way), every fetch of a pass before its puts;
+    # recgen_load4(p) and recgen_store4(p, x): four floats of group or device memory at p,
+    # 16-byte aligned (a store to device memory of halves rounds them, 8-byte aligned);
+    # recgen_store1(p, x): one float to device memory of floats or halves
     group_copy_prelude: str = ""
     # the qualifier that aligns a declared group array to 16 bytes (the four-float copies' rows)
     shared_align: str = ""
