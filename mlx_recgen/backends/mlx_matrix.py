@@ -504,6 +504,7 @@ class MatrixForm(SequentialForm):
             return product(x.astype(operands), y.astype(operands)).astype(mx.float32)
 
         f = self._factors(values, grouped, sizes, self._ones(sizes))
+        half = self._half_factors(halves, sizes)  # those the kernels read as given
         members = {g: _Members(spec.batch_axes.index(spec.groups[g]),
                                sizes[spec.groups[g]] // sizes[g]) for g in self.group_factors}
         chunks = MatrixChunks(T, seg, nb)
@@ -516,7 +517,6 @@ class MatrixForm(SequentialForm):
             served = self._kernel_core(st, S0, seg)
             if served is not None:
                 shape, i = served
-                half = self._half_factors(halves, sizes)
                 y, S = self._run_core(shape, st, s, i, f, half, members, S0,
                                       out_dtype if i in self.plain else mx.float32)
                 _add_to(direct, i, y)
