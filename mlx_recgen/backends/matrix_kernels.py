@@ -177,9 +177,7 @@ class MatrixKernels:
             body = r.states(reverse=kind == "adjoint")
             ins, outs = ["x", "y", "log_d", *signs], ["local", "decay"]
         header = r.header(kind)
-        # MLX writes the signature from the inputs' dtypes; a kernel's name names its text
-        named = "_".join([kind, *halves])
-        return kernel_name("matrix", named, header, body, ins, outs), ins, outs, body, header
+        return _named(kind, halves, header, body, ins, outs), ins, outs, body, header
 
     def _make(self, text, **launch):
         """A kernel of the backend from its ``(name, inputs, outputs, body, header)``."""
@@ -529,6 +527,12 @@ _HALF_TAGS = {mx.bfloat16: "bf16", mx.float16: "f16"}
 _FP32_GRADS = (mx.float32,) * 3
 
 
+def _named(kind, halves, header, body, ins, outs) -> str:
+    """A matrix kernel's name: its text's, and the factors and outputs it takes in half
+    precision (``_halves``): MLX writes the signature from the arrays' dtypes."""
+    return kernel_name("matrix", "_".join([kind, *halves]), header, body, ins, outs)
+
+
 def _halves(dtypes, prefix="") -> tuple:
     """The positions and dtypes of a kernel's factors (its gradients: ``prefix`` ``o``) in half
     precision, as name parts (``("0bf16", "1bf16")``): the same kernel text compiles to
@@ -595,10 +599,9 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     # gradients and readouts the kernel writes in the factors' dtype (``MatrixKernels.core``'s
     # ``grads`` and ``out``)
     written = {"chunk_gradients": ["dc", "da", "db"], "outputs": ["out"]}.get(kind, [])
-    if factors != mx.float32 and read:  # the same text under the name MLX would give it
-        name, *_ = MatrixKernels._text(kernels.dialect, shape, kind,
-                                       _halves([factors] * len(read)) +
-                                       _halves([factors] * len(written), "o"))
+    if factors != mx.float32 and read:  # the same text under the name a call gives it
+        name = _named(kind, _halves([factors] * len(read)) +
+                      _halves([factors] * len(written), "o"), header, body, ins, outs)
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
              **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",

@@ -63,25 +63,29 @@ def _program(ir, stores: list, extra_sums=(), given=frozenset(), slots=None) -> 
     """A program storing ``stores`` (expressions), after the sums over the state axis they
     read, except those ``given`` as arguments (``extra_sums``: more ``(target, body)`` sums,
     after those)."""
-    reads = set().union(*(e.free_symbols for e in stores)) if stores else set()
-    reads |= set().union(*(b.free_symbols for _, b in extra_sums)) if extra_sums else set()
-    targets = {r.target: r for r in ir.reductions if r.target not in given}
-    need, frontier = set(), [s for s in reads if s in targets]
-    while frontier:
-        s = frontier.pop()
-        if s not in need:
-            need.add(s)
-            frontier += [x for x in targets[s].body.free_symbols if x in targets]
+    need = _sums_read(ir, [*stores, *(b for _, b in extra_sums)], given)
     statements = []
-    levels = sorted({targets[s].level for s in need})
-    for level in levels:
+    for level in sorted({r.level for r in need}):
         statements.append(Loop([Accumulate(r.target, r.body) for r in ir.reductions
-                                if r.target in need and r.level == level]))
+                                if r in need and r.level == level]))
     if extra_sums:
         statements.append(Loop([Accumulate(t, b) for t, b in extra_sums]))
     statements += [Store("output", slot, e) for slot, e in zip(slots or
                    [Slot(f"m{i}") for i in range(len(stores))], stores)]
     return Program(statements, frozenset(ir.vector))
+
+
+def _sums_read(ir, exprs, given=frozenset()) -> list:
+    """The sums over the state axis (``ir.reductions``) that ``exprs`` read, directly or
+    through other sums, except those ``given``."""
+    targets = {r.target: r for r in ir.reductions if r.target not in given}
+    need, frontier = set(), [x for e in exprs for x in e.free_symbols if x in targets]
+    while frontier:
+        x = frontier.pop()
+        if x not in need:
+            need.add(x)
+            frontier += [y for y in targets[x].body.free_symbols if y in targets]
+    return [targets[x] for x in need]
 
 
 _NO_SIGN = mx.array(1.0)  # the kernels' core's sign where the decay is known positive
@@ -326,14 +330,7 @@ class MatrixForm(SequentialForm):
         # call reads: the factors, the sums of state-free parts, the outputs and the sums over
         # the state axis these read (not the readouts, which the chunk products replace)
         every += [body for _, body in sums] + list(ir.outputs.values())
-        sums_of = {r.target: r.body for r in ir.reductions
-                   if r.target not in {ro.target for ro in form.readouts}}
-        pending = [x for e in every for x in e.free_symbols if x in sums_of]
-        while pending:
-            body = sums_of.pop(pending.pop(), None)
-            if body is not None:
-                every.append(body)
-                pending += [x for x in body.free_symbols if x in sums_of]
+        every += [r.body for r in _sums_read(ir, every, {ro.target for ro in form.readouts})]
         readers = collections.Counter(self.table.key[sym][1] for e in every
                                       for sym in e.free_symbols if sym in self.table.key)
         self.alone = {key for key, slot in self.bare.items() if readers[slot] == 1}
@@ -417,15 +414,15 @@ class MatrixForm(SequentialForm):
                 t.has_time and self._kernels_on()
             if half:  # one node below which every use's cotangent is summed in fp32
                 x = read_as_given(x)
-            given = parts(t, x)
-            grouped.update(cast(t, given, widened if half else _as_fp32))
+            given, widen = parts(t, x), widened if half else _as_fp32
+            grouped.update(cast(t, given, widen))
             # without a group axis the expanded arrays are the same ones
             if expanded(spec, t) is t:
                 members = given
                 out.update({(t.name, c): grouped[(t.name, c)] for c in given})
             else:
                 members = parts(t, expand_groups(spec, t, x, sizes))
-                out.update(cast(t, members, widened if half else _as_fp32))
+                out.update(cast(t, members, widen))
             if half:
                 halves.update({(t.name, c, "grouped"): part for c, part in given.items()})
                 halves.update({(t.name, c): part for c, part in members.items()})
