@@ -682,15 +682,18 @@ def test_forward_mode_and_second_order_through_the_kernels(kernel_calls, monkeyp
 @pytest.mark.parametrize("kind", mk.KERNELS)
 def test_cuda_text_compiles(tmp_path, kind):
     """The matrix kernels' CUDA text (the tensor-core MMA and the exact loop, signed or not;
-    the kernels that read factors where they lie also with bf16 and fp16 factors) compiles
-    with nvcc for sm_90, MLX's device header replaced by a stand-in."""
-    halves = [(True, True, d) for d in (mx.bfloat16, mx.float16)] if kind in mk.STRIDED else []
-    for units, signed, factors in [(u, s, mx.float32) for u in (True, False)
-                                   for s in (False, True)] + halves:
+    the kernels that read factors where they lie also with bf16 and fp16 factors, at sizes
+    that take four elements a copy and a store and at sizes that take one) compiles with nvcc
+    for sm_90, MLX's device header replaced by a stand-in."""
+    halves = [(True, True, d, n) for d in (mx.bfloat16, mx.float16) for n in (64, 30)] \
+        if kind in mk.STRIDED else []
+    for units, signed, factors, n in [(u, s, mx.float32, 64) for u in (True, False)
+                                      for s in (False, True)] + halves:
         text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units,
-                                diagonal=signed, factors=factors)
+                                diagonal=signed, factors=factors, state_size=n,
+                                lanes=n if n == 64 else 6)
         text = without_mlx_header(text)
-        src = tmp_path / f"{kind}_{units}_{signed}_{str(factors)[-8:]}.cu"
+        src = tmp_path / f"{kind}_{units}_{signed}_{str(factors)[-8:]}_{n}.cu"
         src.write_text(text)
         res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",
                               os.devnull], capture_output=True, text=True)
