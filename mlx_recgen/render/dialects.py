@@ -20,6 +20,7 @@ class Dialect:
     shared: str  # qualifier of group-shared arrays
     barrier: str  # group-wide barrier on shared memory
     simd_shuffle_xor: str  # (value, lane mask): the value of lane ``simd_lane ^ mask``
+    simd_shuffle: str  # (value, lane): the value of lane ``lane`` of the simdgroup / warp
     simd_sum: str  # (value): its sum over the whole simdgroup / warp, in every lane
     function: str  # qualifier of helper functions
     unroll: str  # a pragma that fully unrolls the loop it precedes
@@ -90,6 +91,7 @@ METAL = Dialect(
     shared="threadgroup",
     barrier="threadgroup_barrier(mem_flags::mem_threadgroup)",
     simd_shuffle_xor="simd_shuffle_xor",
+    simd_shuffle="simd_shuffle",
     simd_sum="simd_sum",  # one reduction instruction, no shuffle levels
     function="inline",
     unroll="#pragma clang loop unroll(full)",
@@ -193,6 +195,7 @@ CUDA = Dialect(
     shared="__shared__",
     barrier="__syncthreads()",
     simd_shuffle_xor="recgen_shuffle_xor",
+    simd_shuffle="recgen_shuffle",
     simd_sum="recgen_warp_sum",
     function="__device__ inline",
     unroll="#pragma unroll",
@@ -433,6 +436,9 @@ __device__ inline float4 recgen_zeros4() {
 // Every lane of the warp takes part (full mask): padded lanes contribute zeros.
 __device__ inline float recgen_shuffle_xor(float x, int mask) {
   return __shfl_xor_sync(0xffffffffu, x, mask);
+}
+__device__ inline float recgen_shuffle(float x, int lane) {
+  return __shfl_sync(0xffffffffu, x, lane);
 }
 // CUDA has no warp sum of a float: a butterfly of shuffles, the sum left in every lane.
 __device__ inline float recgen_warp_sum(float x) {

@@ -98,6 +98,11 @@ STATE_TILES = ((64, 64), (64, 32), (32, 32))
 # B8 H16 L4096 K=V=64 on an H200, the walk alone: 336 µs in tiles of 64 x 64, 527 in 64 x 32,
 # 744 in 32 x 32, though these give 2 and 4 times the groups)
 WALK_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
+# The walks form a chunk's sums of log d in registers, every simdgroup for itself by shuffles
+# (``matrix_walk_scan.j2``), where they took three barriers and loops over group memory
+# (``matrix_cumulate.j2``, which the kernels with one chunk a group keep): on H200s at GLA B8
+# H16 L4096 K=V=64 bf16 the walk 219 -> 178 µs, its adjoint 202 -> 182
+# (benchmarks/results/bench-matrix-walk-scan-H200-2026-11-28.md)
 
 
 # the per-chunk sums each kernel reads beyond log d's running sums (``matrix_cumulate.j2``):
@@ -106,7 +111,6 @@ WALK_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 # exp(Λ_C)); and the sums of whole groups of 8 steps between any two groups ("spans", for the
 # kernels that sum a range per weight)
 _CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
-               "walk": ("tail", "whole"), "adjoint_walk": ("row", "whole"),
                "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",),
                "chunk_gradients": ("row", "tail", "spans")}
 # The backward's tiles of K and V (``gradient_tiles``), largest first: its group memory holds
@@ -187,6 +191,7 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
         own = [("X", "2 * C * LDX", 2 * C * (KT + cols)), ("Y", "2 * C * LDY", 2 * C * (VT + cols)),
                ("S", "KT * VT", KT * VT), ("logs", "2 * C", 2 * C)]
         own += [("signs", "2 * C", 2 * C)] if signed else []
+        return own  # the sums of log d in registers (matrix_walk_scan.j2)
     elif kind == "outputs":
         # c and a side by side, later b in the same memory; with one tile of K, the readouts
         # too, past c's and b's rows (``_outputs_in_tiles``)
@@ -383,7 +388,7 @@ class MatrixRenderer:
         memory = self.memory(kind)
         KT, VT = self._tiles(kind)
         warps = group_threads(kind) // 32
-        return dict(d=self.d, kind=kind, C=s.C, walk=kind in WALK_KINDS,
+        return dict(d=self.d, kind=kind, C=s.C,
                     vector_copies=kind in VECTOR_COPIES,
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients",
                                       *WALK_KINDS),
