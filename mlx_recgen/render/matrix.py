@@ -446,7 +446,8 @@ class MatrixRenderer:
 
     def _scaled_rows(self, reverse: bool) -> dict:
         """The states' and walks' ``Xᵀ Y``: what ``X`` and ``Y`` are, and the scale of ``X``'s
-        rows (``x_scale``, of row ``j``)."""
+        rows (``x_scale``, of row ``j``, in the states kernels' sums; the walks form their own,
+        ``matrix_walk_scan.j2``)."""
         if reverse:
             return dict(x_doc="c[j] exp(R_j)", y_doc="dy[j]",
                         x_scale=("row_par[j] * " if self.shape.signed else "") + "row_exp[j]")
