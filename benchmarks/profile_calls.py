@@ -7,6 +7,9 @@ splits ncu's CSV at the markers and sums the kernels of each phase by name::
         python benchmarks/profile_calls.py gla --shape B=8 L=4096 H=16 K=64 V=64 > calls.csv
     python benchmarks/profile_calls.py --split calls.csv
 
+With ``--peer chunk_simple_gla`` (a peer of ``bench_peers.PEERS``) the same two phases are a
+peer's, in PyTorch, on the same inputs, for a comparison kernel by kernel.
+
 The inputs are ``bench_peers.py``'s (``make_inputs``); the loss of the forward+backward is the
 sum of the outputs weighted by a random array, as there.
 """
@@ -52,13 +55,56 @@ def run(args):
     mx.eval(mx.arcsinh(marker))
 
 
+def run_peer(args):
+    """The same two phases for a peer of ``bench_peers.PEERS`` (PyTorch) on the same inputs:
+    its forward, then its forward+backward (``torch.autograd.grad`` of the outputs weighted by
+    a random array), after warm-ups (a peer's autotuning among them), with ``torch.asinh``
+    marking the phases."""
+    import numpy as np
+    import torch
+
+    from bench_peers import make_inputs, peer_call
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    shape = {k: int(v) for k, v in (s.split("=") for s in args.shape)}
+    rng = np.random.default_rng(0)
+    xs = [torch.tensor(x, device="cuda").to(dtype) for x in make_inputs(args.spec, shape, rng)]
+    fn, operands = peer_call(args.peer, args.spec, xs)
+    operands = [x.detach().clone().requires_grad_(True) for x in operands]
+    with torch.no_grad():
+        w = torch.randn_like(fn(*operands))
+
+    def forward():
+        with torch.no_grad():
+            return fn(*operands)
+
+    def backward():
+        return torch.autograd.grad(fn(*operands), operands, w)
+
+    marker = torch.ones(7, device="cuda")
+
+    def phase(f):
+        torch.asinh(marker)
+        torch.cuda.synchronize()
+        f()
+        torch.cuda.synchronize()
+
+    for _ in range(args.warmups):
+        forward(), backward()
+    torch.cuda.synchronize()
+    phase(forward)
+    phase(backward)
+    torch.asinh(marker)
+    torch.cuda.synchronize()
+
+
 def split(path, top):
     """Per phase: the count and total time of its kernels, then the kernels by name."""
     rows = csv.DictReader(line for line in open(path) if line.startswith('"'))
     phases, current = [], None
     for r in rows:
         name = r["Kernel Name"]
-        if "ArcSinh" in name:
+        if any(m in name.lower() for m in ("arcsinh", "asinh")):  # MLX's or PyTorch's marker
             current = collections.OrderedDict()
             phases.append(current)
             continue
@@ -91,9 +137,13 @@ def main():
     p.add_argument("--warmups", type=int, default=2)
     p.add_argument("--split", metavar="CSV", help="sum the kernels of ncu's CSV by phase")
     p.add_argument("--top", type=int, default=25, help="kernels listed per phase")
+    p.add_argument("--peer", default=None,
+                   help="profile a peer of bench_peers.PEERS instead (e.g. chunk_simple_gla)")
     args = p.parse_args()
     if args.split:
         split(args.split, args.top)
+    elif args.peer:
+        run_peer(args)
     else:
         run(args)
 
