@@ -232,14 +232,21 @@ def peer_call(peer, name, xs):
     return (lambda q, k, v, g, beta: f(q, k, v, g=g, beta=beta, scale=1.0)[0]), [q, k, v, g, beta]
 
 
+def peer_operands(peer, name, xs_np, dtype):
+    """A peer's call on our inputs (numpy) in ``dtype`` (a torch dtype's name) on the GPU, and its
+    operands as leaves that take gradients."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+    fn, args = peer_call(peer, name, [torch.tensor(x, device="cuda").to(tdt) for x in xs_np])
+    return fn, [a.detach().clone().requires_grad_(True) for a in args]
+
+
 def peers_run(peer, name, xs_np, w_np, dtype, reps):
     import torch
 
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    xs = [torch.tensor(x, device="cuda").to(tdt) for x in xs_np]
-    w = torch.tensor(w_np, device="cuda").to(tdt)
-    fn, args = peer_call(peer, name, xs)
-    args = [a.detach().clone().requires_grad_(True) for a in args]
+    fn, args = peer_operands(peer, name, xs_np, dtype)
+    w = torch.tensor(w_np, device="cuda").to(getattr(torch, dtype))
     out = {}
     with torch.no_grad():
         y = fn(*args)

@@ -63,14 +63,11 @@ def run_peer(args):
     import numpy as np
     import torch
 
-    from bench_peers import make_inputs, peer_call
+    from bench_peers import make_inputs, peer_operands
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     shape = {k: int(v) for k, v in (s.split("=") for s in args.shape)}
-    rng = np.random.default_rng(0)
-    xs = [torch.tensor(x, device="cuda").to(dtype) for x in make_inputs(args.spec, shape, rng)]
-    fn, operands = peer_call(args.peer, args.spec, xs)
-    operands = [x.detach().clone().requires_grad_(True) for x in operands]
+    inputs = make_inputs(args.spec, shape, np.random.default_rng(0))
+    fn, operands = peer_operands(args.peer, args.spec, inputs, args.dtype)
     with torch.no_grad():
         w = torch.randn_like(fn(*operands))
 
