@@ -275,6 +275,38 @@ def test_half_factors_reach_the_kernels_as_given(name, dtype, backend, kernel_ca
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_a_changed_switch_takes_effect_in_the_next_call(backend, kernel_calls, monkeypatch):
+    """The switches between kernels (here ``WALK_GROUPS``) are read as a call is traced, and a
+    GPU call replays its compiled trace: the traces are kept under the switches
+    (``MatrixKernels.switches``), so the same call after a switch changes runs the path the
+    switch now names, with the same results."""
+    mx.random.seed(5)
+    q, k, v, g, S0 = _gla_inputs(2, 40, 2, 16, 8)
+    gla = rg.load_spec("gla")
+    chosen = []
+    choose = mk.MatrixKernels.walk
+
+    def counted(self, shape, instances):
+        chosen.append(choose(self, shape, instances))
+        return chosen[-1]
+
+    monkeypatch.setattr(mk.MatrixKernels, "walk", counted)
+    monkeypatch.setitem(mk.WALKS, backend, True)
+    results = []
+    for groups in (1, 1 << 62):
+        monkeypatch.setattr(mk, "WALK_GROUPS", groups)
+        chosen.clear()
+        y, S = gla(q, k, v, g, initial_state=S0, return_state=True, backend=backend,
+                   schedule="matrix", seg=16)
+        mx.eval(y, S)
+        assert chosen == [groups == 1], f"WALK_GROUPS={groups} ran {chosen}"
+        results.append((y, S))
+    for a, b in zip(*results):
+        assert rel_err(a, b) < _tol(backend)
+    assert kernel_calls
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_gla_with_a_state_of_64_x_64(backend, kernel_calls, states_path):
     """A state of the largest tiles: on CUDA the walk takes it in tiles of 64 x 64 (Metal's group
     memory gives the walk smaller ones)."""

@@ -203,6 +203,14 @@ class MatrixKernels:
 
         return self._kernels.get_or_build((shape, kind, halves), build)
 
+    def switches(self) -> tuple:
+        """This backend's entries of the module's switches between kernels (``WALKS``,
+        ``WALK_GROUPS``, ``OUTPUTS_BY_MATMULS``, ``GRADIENTS_BY_MATMULS``), which a call reads
+        as it is traced: the compiled calls are kept under them."""
+        b = self.backend
+        return (WALKS.get(b, False), WALK_GROUPS, OUTPUTS_BY_MATMULS.get(b, False),
+                GRADIENTS_BY_MATMULS.get(b, False))
+
     # -- launches --------------------------------------------------------------------------------
     def walk(self, shape, instances) -> bool:
         """Whether the states pass through the chunks in the walk kernel for ``instances``

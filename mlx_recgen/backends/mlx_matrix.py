@@ -622,9 +622,14 @@ class MatrixForm(SequentialForm):
 
     # -- the states the matrix kernels serve ----------------------------------------------------
     def _kernels_on(self) -> bool:
-        """Whether this call runs the matrix kernels (``matrix_kernels.enabled``; part of the
-        keys of the compiled calls, so a change of the switch traces anew)."""
+        """Whether this call runs the matrix kernels (``matrix_kernels.enabled``)."""
         return self.kernels is not None and kernels_enabled(self.kernels.backend)
+
+    def _switches(self):
+        """What decides the kernels a call traces: whether they run and, where they do, which
+        of them (``MatrixKernels.switches``). Part of the keys of the compiled calls, so a
+        change of a switch traces anew instead of replaying the trace made before it."""
+        return self._kernels_on() and self.kernels.switches()
 
     def _kernel_core(self, st, S0, seg):
         """``(kernels' shape, readout index)`` where the kernels run state ``st`` (a scalar
@@ -833,7 +838,7 @@ class MatrixForm(SequentialForm):
 
     def _compiled(self, sizes, seg, out_dtype):
         """The computation for these sizes, compiled where ``_compiles``."""
-        key = (tuple(sorted(sizes.items())), seg, self._compiles(), self._kernels_on(),
+        key = (tuple(sorted(sizes.items())), seg, self._compiles(), self._switches(),
                out_dtype)
 
         def build():
@@ -874,7 +879,7 @@ class MatrixForm(SequentialForm):
         spec = self.rec.spec
         n_in, n_state = len(spec.inputs), len(spec.states)
         diff = [i for i, t in enumerate(spec.inputs.values()) if t.differentiable]
-        key = ("vjp", tuple(sorted(sizes.items())), seg, self._compiles(), self._kernels_on())
+        key = ("vjp", tuple(sorted(sizes.items())), seg, self._compiles(), self._switches())
 
         def build():
             def vjp(*arrays):
