@@ -13,6 +13,7 @@ runs the tangent recurrence (``mlx_recgen.tangent``) on the same backend.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,8 +37,9 @@ BACKENDS = ("auto", "mlx", "metal", "metal-sim", "cuda")
 # Plans (and the custom functions behind them) kept per recurrence: a call of a new shape past
 # this many evicts the least recently used (``memo.LRU``).
 PLAN_CACHE_SIZE = 64
-# Zero initial states of at most this many elements are kept with a checked call's plan and
-# passed again by the calls like it (``_kept_zeros``).
+# Zero initial states of at most this many elements are filled, kept with a checked call's plan
+# and passed again by the calls like it (``_kept_zeros``); larger ones are views of one zero
+# (``zero_state``).
 ZEROS_KEPT_MAX = 1 << 16
 # The mlx backend runs calls of at most this many steps as the decode path (``CallPlan``).
 DECODE_MAX_STEPS = 16
@@ -320,7 +322,7 @@ class Recurrence:
                                  f"serve the same number of {fine}")
         for k, t in s.states.items():
             if k not in states:
-                states[k] = mx.zeros(declared_shape(t, sizes), dtype=mx.float32)
+                states[k] = zero_state(declared_shape(t, sizes))
         floats = {values[n].dtype for n in names if values[n].dtype in FLOAT_DTYPES}
         out_dtype = floats.pop() if len(floats) == 1 else mx.float32
         return [values[n] for n in names], [states[k] for k in s.states], sizes, out_dtype
@@ -461,9 +463,7 @@ class Recurrence:
                 hit = key = None
             if hit is not None:
                 plan, zero_states = hit
-                states = ([initial_state] if initial_state is not None else
-                          [mx.zeros(z, dtype=mx.float32) if type(z) is tuple else z
-                           for z in zero_states])
+                states = [initial_state] if initial_state is not None else list(zero_states)
                 return plan.package(*plan.run(list(args), states), return_state)
         call = self.check(*args, initial_state=initial_state, **kwargs)
         plan = self.plan_for(call, backend=backend, seg=seg, schedule=schedule)
@@ -586,18 +586,41 @@ def device_key() -> str:
     return text
 
 
+_RESIDENT = {}  # (device key, value) -> an evaluated fp32 scalar (``resident``)
+
+
+def resident(value: float) -> mx.array:
+    """``value`` as an fp32 scalar evaluated on the default device and kept there: an operand
+    for the ops around the kernels. An uncompiled kernel on MLX's CUDA backend reads a scalar
+    operand built from a Python number from host memory, 16-20 µs over 524288 elements where
+    one without takes 3.4 (``matrix_chunks.sign_of``); this one it reads from device memory."""
+    key = (device_key(), value)
+    x = _RESIDENT.get(key)
+    if x is None:
+        x = mx.array(value, dtype=mx.float32) + 0  # written by a kernel of that device
+        mx.eval(x)
+        x = _RESIDENT.setdefault(key, x)
+    return x
+
+
+def zero_state(shape) -> mx.array:
+    """A zero initial state of ``shape`` (fp32): filled where it has at most
+    ``ZEROS_KEPT_MAX`` elements, else a broadcast view of the kept zero (``resident``), which
+    a kernel reads through a copy from device memory; a fill would read its scalar from host
+    memory (19.5 µs for GLA's 2 MB of states at B8 H16 64 x 64 on an H200)."""
+    if math.prod(shape) <= ZEROS_KEPT_MAX:
+        return mx.zeros(shape, dtype=mx.float32)
+    return mx.broadcast_to(resident(0.0), shape)
+
+
 def _kept_zeros(states) -> tuple:
-    """What a call without ``initial_state`` keeps of its zero states for the calls like it:
-    each small one as an evaluated array, which those calls pass again (no fill to build or
-    run each call; MLX never writes an array another holds), a larger one as its shape."""
-    kept = []
+    """What a call without ``initial_state`` keeps of its zero states (``zero_state``) for the
+    calls like it, which pass them again: each small one evaluated (no fill to build or run
+    each call; MLX never writes an array another holds), a larger one the view it is."""
     for x in states:
         if x.size <= ZEROS_KEPT_MAX:
             mx.eval(x)
-            kept.append(x)
-        else:
-            kept.append(tuple(x.shape))
-    return tuple(kept)
+    return tuple(states)
 
 
 class CheckedCall(NamedTuple):

@@ -115,10 +115,15 @@ def test_a_repeated_call_skips_the_check_but_not_what_decides_it(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["mlx", *KERNEL_BACKENDS])
-def test_calls_without_an_initial_state_share_a_kept_zero_state(backend):
-    """A small zero state is kept with the checked call's plan and passed again: the calls like
-    it (forward and backward) give the reference's results, and the kept state stays zero; a
-    state above ``ZEROS_KEPT_MAX`` elements is kept as its shape."""
+@pytest.mark.parametrize("kept_max", [1 << 16, 4])
+def test_calls_without_an_initial_state_share_a_kept_zero_state(backend, kept_max, monkeypatch):
+    """A zero state is kept with the checked call's plan and passed again: a small one filled,
+    one above ``ZEROS_KEPT_MAX`` elements a view of one kept zero (``zero_state``); the calls
+    like it (forward and backward) give the reference's results, and the kept state stays
+    zero."""
+    from mlx_recgen import function
+
+    monkeypatch.setattr(function, "ZEROS_KEPT_MAX", kept_max)
     rec = _rglru()
     for _ in range(3):
         a, x = _args(9)
@@ -128,11 +133,9 @@ def test_calls_without_an_initial_state_share_a_kept_zero_state(backend):
         want = mx.grad(lambda a, x: mx.sum(rec.reference(a, x) * x), (0, 1))(a, x)
         assert all(mx.allclose(g, w, rtol=1e-4, atol=1e-6) for g, w in zip(grads, want))
     (_, (kept,)), = [v for v in rec._checked.values() if v[1] is not None][:1]
-    assert isinstance(kept, mx.array) and kept.shape == (2, 4) and not mx.any(kept).item()
-    from mlx_recgen import function
-
-    big = mx.zeros((function.ZEROS_KEPT_MAX + 1,))
-    assert function._kept_zeros([big, mx.zeros((3,))])[0] == big.shape
+    assert isinstance(kept, mx.array) and kept.shape == (2, 4) and kept.dtype == mx.float32
+    assert not mx.any(kept).item()
+    assert function.zero_state((3, 5)).shape == (3, 5)
 
 
 def test_compiled_blocks_are_bounded_and_shared_across_lengths(monkeypatch):
