@@ -11,8 +11,9 @@ Peers (PyTorch): flash-linear-attention's ``fused_recurrent_simple_gla``, ``chun
 ``"chunked"`` and ``"matrix"`` (where each applies; ``--schedules`` picks), and the per-step MLX
 loop (``rec.reference``, at the smaller shapes).
 
-For every case and dtype (fp32, bf16): forward time, forward+backward time (gradients of
-``sum(y * w)`` w.r.t. every input, fixed random ``w``) and the peak memory of forward+backward
+For every case and dtype (fp32, bf16): forward time, forward+backward time (the outputs and
+the gradients w.r.t. every input for the outputs' cotangent ``w``, fixed random: ``mx.vjp``,
+``torch.autograd.grad(y, inputs, w)``) and the peak memory of forward+backward
 (each framework's own allocator counter, inputs included). Times are medians of 5 batches of
 ``reps`` calls and one synchronisation. Torch launches each call as it is built; by default each
 MLX call is likewise handed to ``mx.async_eval`` as it is built (``--mlx-timing pipelined``),
@@ -189,12 +190,15 @@ def ours(rec, xs_np, w_np, dtype, schedule, reps):
     w = mx.array(w_np).astype(dtype)
     call = rec.reference if schedule == "loop" else \
         (lambda *a: rec(*a, backend="cuda", schedule=schedule))
-    grad = mx.grad(lambda *a: mx.sum(call(*a) * w), argnums=tuple(range(len(xs))))
+    # the outputs and the gradients with ``w`` as the outputs' cotangent, as the peers'
+    # ``torch.autograd.grad(y, args, w)`` (``mx.grad`` of ``sum(y * w)`` would add a pass that
+    # forms ``w`` times the sum's cotangent)
+    fwdbwd = lambda: mx.vjp(call, xs, [w])
     y = call(*xs)
     mx.eval(y)
     r = 1 if schedule == "loop" else reps
-    return dict(fwd=time_mlx(lambda: call(*xs), r), fwdbwd=time_mlx(lambda: grad(*xs), r),
-                peak=peak_mlx(lambda: grad(*xs)), y=np.array(y.astype(mx.float32)))
+    return dict(fwd=time_mlx(lambda: call(*xs), r), fwdbwd=time_mlx(fwdbwd, r),
+                peak=peak_mlx(fwdbwd), y=np.array(y.astype(mx.float32)))
 
 
 # -- peers -----------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ splits ncu's CSV at the markers and sums the kernels of each phase by name::
 With ``--peer chunk_simple_gla`` (a peer of ``bench_peers.PEERS``) the same two phases are a
 peer's, in PyTorch, on the same inputs, for a comparison kernel by kernel.
 
-The inputs are ``bench_peers.py``'s (``make_inputs``); the loss of the forward+backward is the
-sum of the outputs weighted by a random array, as there.
+The inputs are ``bench_peers.py``'s (``make_inputs``); the forward+backward is the outputs and
+the inputs' gradients for a random cotangent of the outputs, as there.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def run(args):
         return rec(*a, backend=args.backend, schedule=args.schedule)
 
     w = mx.random.normal(call(*xs).shape).astype(dtype)
-    grad = mx.grad(lambda *a: mx.sum(call(*a) * w), argnums=tuple(range(len(xs))))
+    grad = lambda *a: mx.vjp(call, list(a), [w])  # w the outputs' cotangent, as the peer's
     marker = mx.ones((7,))
 
     def phase(f):
