@@ -586,31 +586,24 @@ def device_key() -> str:
     return text
 
 
-_RESIDENT = {}  # (device key, value) -> an evaluated fp32 scalar (``resident``)
-
-
-def resident(value: float) -> mx.array:
-    """``value`` as an fp32 scalar evaluated on the default device and kept there: an operand
-    for the ops around the kernels. An uncompiled kernel on MLX's CUDA backend reads a scalar
-    operand built from a Python number from host memory, 16-20 µs over 524288 elements where
-    one without takes 3.4 (``matrix_chunks.sign_of``); this one it reads from device memory."""
-    key = (device_key(), value)
-    x = _RESIDENT.get(key)
-    if x is None:
-        x = mx.array(value, dtype=mx.float32) + 0  # written by a kernel of that device
-        mx.eval(x)
-        x = _RESIDENT.setdefault(key, x)
-    return x
+_ZERO = {}  # device key -> an evaluated fp32 zero (``zero_state``)
 
 
 def zero_state(shape) -> mx.array:
     """A zero initial state of ``shape`` (fp32): filled where it has at most
-    ``ZEROS_KEPT_MAX`` elements, else a broadcast view of the kept zero (``resident``), which
-    a kernel reads through a copy from device memory; a fill would read its scalar from host
-    memory (19.5 µs for GLA's 2 MB of states at B8 H16 64 x 64 on an H200)."""
+    ``ZEROS_KEPT_MAX`` elements, else a broadcast view of one zero evaluated once per device
+    and kept. A kernel that reads it makes it contiguous by a copy, which on MLX's CUDA backend
+    takes less than a fill (GLA's 2 MB of states at B8 H16 64 x 64 on an H200: 11.6 against
+    17.7 µs, benchmarks/results/bench-matrix-half-walk-H200-2026-11-28.md)."""
     if math.prod(shape) <= ZEROS_KEPT_MAX:
         return mx.zeros(shape, dtype=mx.float32)
-    return mx.broadcast_to(resident(0.0), shape)
+    key = device_key()
+    zero = _ZERO.get(key)
+    if zero is None:
+        zero = mx.zeros((), dtype=mx.float32)
+        mx.eval(zero)
+        zero = _ZERO.setdefault(key, zero)
+    return mx.broadcast_to(zero, shape)
 
 
 def _kept_zeros(states) -> tuple:
