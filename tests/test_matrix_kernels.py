@@ -529,7 +529,9 @@ def test_the_kernels_read_factors_where_they_lie(states_path):
     ``(*batch, T, X)`` views at any strides (``matrix_kernels.STRIDED``): transposed from the
     spec's layout, sliced, broadcast over a batch axis, every other column. They give the
     numbers of contiguous copies bit for bit, and the chunk form in MLX ops within rounding;
-    gradients come back in the views' shapes, bit for bit those of the copies. (The walk copies
+    gradients come back in the views' shapes, bit for bit those of the copies, and so does the
+    readouts' cotangent, given transposed (the batch shape of the readouts lets it reach the
+    kernels as it lies). (The walk copies
     rows of four floats where they lie side by side, ``c``'s and ``a``'s, and ``b``'s one float
     at a time.)"""
     kernels = mk.matrix_kernels("metal-sim")
@@ -547,13 +549,17 @@ def test_the_kernels_read_factors_where_they_lie(states_path):
     copies = core(*(mx.contiguous(x) for x in (c, a, b)), log_d, log_d, S0)
     in_ops = mk.core_in_ops(shape, *(x.reshape(B * H, T, -1) for x in (c, a, b)), log_d, log_d,
                             S0)
+    assert views[0].shape == (B, H, T, V)  # the readouts in the factors' batch shape
     for x, y, z in zip(views, copies, in_ops):
         assert mx.array_equal(x, y).item()
-        assert rel_err(x, z) < TOL
+        assert rel_err(x, z.reshape(x.shape)) < TOL
     cotangents = [mx.random.normal(y.shape) for y in views]
+    # the readouts' cotangent as a caller's layout gives it: transposed from (B, T, H, V)
+    cotangents[0] = mx.transpose(mx.random.normal((B, T, H, V)), (0, 2, 1, 3))
     _, grads = mx.vjp(lambda c, a, b: core(c, a, b, log_d, log_d, S0), [c, a, b], cotangents)
     _, grads_of_copies = mx.vjp(lambda c, a, b: core(c, a, b, log_d, log_d, S0),
-                                [mx.contiguous(x) for x in (c, a, b)], cotangents)
+                                [mx.contiguous(x) for x in (c, a, b)],
+                                [mx.contiguous(x) for x in cotangents])
     for g, h, x in zip(grads, grads_of_copies, (c, a, b)):
         assert g.shape == x.shape and mx.array_equal(g, h).item()
 

@@ -248,20 +248,24 @@ class MatrixKernels:
             output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32, mx.float32])
 
     def outputs(self, shape, c, a, b, log_d, sign, starts, out=mx.float32):
-        """The readouts ``(I, T, V)`` of the chunks (in the dtype ``out``), from the state
-        entering each: in the outputs kernel, or (``OUTPUTS_BY_MATMULS``) as MLX's matmuls
-        around the weights kernel."""
+        """The readouts ``(*batch, T, V)`` of the chunks (``c``'s batch axes, in the dtype
+        ``out``), from the state entering each: in the outputs kernel, or
+        (``OUTPUTS_BY_MATMULS``) as MLX's matmuls around the weights kernel. In the batch
+        shape, not as instances: the readouts' cotangent then reaches the backward's kernels
+        as the caller's layout gives it, read where it lies (a reshape to instances would copy
+        a transposed cotangent first)."""
+        T, V = c.shape[-2], b.shape[-1]
+        readouts = (*c.shape[:-2], T, V)
         if OUTPUTS_BY_MATMULS.get(self.backend, False):
             return self._outputs_by_matmuls(shape, *_instances(c, a, b), log_d, sign,
-                                            starts).astype(out)
-        T, I, V = c.shape[-2], math.prod(c.shape[:-2]), b.shape[-1]
+                                            starts).astype(out).reshape(readouts)
         nc = -(-T // shape.C)
-        groups = I * nc * -(-V // shape.VT)
+        groups = math.prod(c.shape[:-2]) * nc * -(-V // shape.VT)
         return self._kernel(shape, "outputs", (c, a, b), (out,))(
             inputs=[c, a, b, log_d, *_signs(sign), starts],
             grid=(groups * group_threads("outputs"), 1, 1),
             threadgroup=(group_threads("outputs"), 1, 1),
-            output_shapes=[(I, T, V)], output_dtypes=[out])[0]
+            output_shapes=[readouts], output_dtypes=[out])[0]
 
     def _outputs_by_matmuls(self, shape, c, a, b, log_d, sign, starts):
         """``(W @ b + exp(R) ⊙ (c @ S_start))`` by chunk: the products are MLX's (cuBLAS on
@@ -386,7 +390,7 @@ class MatrixKernels:
     # -- the custom function ---------------------------------------------------------------------
     def core(self, shape, grads=None, out=mx.float32):
         """``(c, a, b, log_d, sign, S0) -> (y, S_final, S_start)`` with its VJP (module
-        docstring); ``sign`` is read for a ``signed`` shape only (pass any array else).
+        docstring), ``y`` in ``c``'s batch shape (``outputs``); ``sign`` is read for a ``signed`` shape only (pass any array else).
         ``grads``: the dtypes of the gradients of ``c``, ``a`` and ``b`` (fp32 by default; half
         precision for a factor whose gradient is final, nothing added to it after); ``out``:
         the readouts' (half precision where they are the call's outputs as they are)."""
@@ -410,8 +414,8 @@ class MatrixKernels:
             signs = sign if shape.signed else None
             leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last, reverse=True)
             if shape.gradient_tiles is None or GRADIENTS_BY_MATMULS.get(self.backend, False):
-                dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b), log_d,
-                                                            signs, dy, starts, leaving)
+                dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b, dy),
+                                                            log_d, signs, starts, leaving)
                 dc, da, db = (g.astype(d) for g, d in zip((dc, da, db), grads))
             else:
                 dc, da, db, d_log_d = self._chunk_gradients_in_one(shape, c, a, b, log_d, signs,
@@ -439,7 +443,7 @@ class MatrixKernels:
 
             def values(c, a, b, log_d, init):
                 y, last, starts = core_in_ops(shape, *_instances(c, a, b), log_d, sign, init)
-                return y.astype(out), last, starts
+                return y.astype(out).reshape(*c.shape[:-1], y.shape[-1]), last, starts
 
             return mx.jvp(values, [primals[i] for i in moving],
                           [mx.zeros_like(primals[i]) if tangents[i] is None else tangents[i]
@@ -460,7 +464,7 @@ class MatrixKernels:
                                       whole[..., None, None])
         return dc, da, db, d_lam + d_log_d
 
-    def _chunk_gradients(self, shape, c, a, b, log_d, sign, dy, starts, leaving):
+    def _chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
         (module docstring): batched products over chunks, the causal weights and their
         cotangent in the weights kernel, the sums and scalings after the products in the
