@@ -60,6 +60,10 @@ class Dialect:
     # floats added to the rows of the products' operands in group memory, against bank
     # conflicts: (an operand read along its rows, one read down its columns)
     matrix_pads: tuple = (0, 0)
+    # the tile types, by dtype tag ("bf16", "f16"), in which the walks multiply half-precision
+    # factors as they are (``recgen_mm`` on tiles of halves; the scaled rows rounded to the
+    # factors' precision) where both are halves of one kind; elsewhere their tiles hold floats
+    half_tiles: dict = field(default_factory=dict)
     # header lines that bound a kernel's registers to what ``{threads}`` threads a group and
     # ``{groups}`` groups a core leave (the kernel's signature is the host's, MLX's); "" where
     # the target has no such bound
@@ -219,6 +223,7 @@ CUDA = Dialect(
     # a warp's fragment loads touch 8 rows x 4 columns (or 4 x 8): rows 4 (8) floats apart
     # fall in 32 distinct banks
     matrix_pads=(4, 8),
+    half_tiles={"bf16": "__nv_bfloat16", "f16": "__half"},
     # MLX writes the kernel's signature, so its launch bounds come through the qualifier it
     # writes first; only this kernel follows the header
     launch_bounds="""\
@@ -478,6 +483,30 @@ __device__ inline void recgen_put4(float* dst, recgen_halves4<Half> x) {
 template <typename Half>
 __device__ inline void recgen_copy_to_group(float* dst, const Half* src, bool ok) {
   *dst = ok ? float(*src) : 0.0f;
+}
+// Halves into a tile of halves (the walks' operands where both factors are halves of one
+// kind, ``Dialect.half_tiles``): bytes, so cp.async lands them by itself; 8 bytes for four
+// (src-size 2 n: zeros after n), one by a plain load and store
+template <typename Half>
+__device__ inline recgen_copy_in_flight recgen_fetch4(Half* dst, const Half* src, int n) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\\n" ::"r"(to), "l"(src),
+               "r"(2 * n));
+  return {};
+}
+template <typename Half>
+__device__ inline void recgen_put4(Half*, recgen_copy_in_flight) {}
+template <typename Half>
+__device__ inline void recgen_copy_to_group(Half* dst, const Half* src, bool ok) {
+  *dst = ok ? *src : Half(0.0f);
+}
+// four halves of a tile's row as floats (p 8-byte aligned); recgen_store4 rounds them back
+template <typename Half>
+__device__ inline float4 recgen_load4(const Half* p) {
+  const uint2 bits = *reinterpret_cast<const uint2*>(p);
+  const recgen_halves4<Half> x{bits};
+  const float2 lo = recgen_widen2(bits.x, x), hi = recgen_widen2(bits.y, x);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 template <typename Half>
 __device__ inline bool recgen_aligned4(const Half* p) {
