@@ -144,7 +144,9 @@ class MatrixKernels:
     def _text(dialect, shape, kind, halves=()):
         """(name, input names, output names, body, header) of a kernel: ``KERNELS``.
         ``halves``: the inputs given in half precision (``_halves``); the text is the same for
-        every dtype (the copies into group memory widen halves), the name is not."""
+        every dtype (the copies into group memory widen halves), the name is not, except a
+        walk's whose factors are both halves of one kind where the dialect multiplies them as
+        they are (``_walk_tile``)."""
         if kind not in KERNELS:
             raise ValueError(f"the matrix schedule's kernels are {KERNELS}, got {kind!r}")
         r = MatrixRenderer(dialect, shape)
