@@ -267,7 +267,7 @@ def test_half_factors_reach_the_kernels_as_given(name, dtype, backend, kernel_ca
     states_dtypes = [S.dtype for S in states]
     assert [x.dtype for x in halves] == [dtype, *states_dtypes, *(x.dtype for x in inputs),
                                          *states_dtypes]
-    half_tiles = backend == "cuda" and bool(DIALECTS["cuda"].half_tiles) and any(
+    half_tiles = backend == "cuda" and mk._HALF_TAGS[dtype] in DIALECTS["cuda"].half_tiles and any(
         kind in WALK_KINDS and dtypes == [dtype, dtype] for kind, dtypes in half_reads)
     for h, f in zip(halves, singles):
         if backend == "metal-sim":
