@@ -144,7 +144,9 @@ class MatrixKernels:
     def _text(dialect, shape, kind, halves=()):
         """(name, input names, output names, body, header) of a kernel: ``KERNELS``.
         ``halves``: the inputs given in half precision (``_halves``); the text is the same for
-        every dtype (the copies into group memory widen halves), the name is not."""
+        every dtype (the copies into group memory widen halves), the name is not, except a
+        walk's whose factors are both halves of one kind where the dialect multiplies them as
+        they are (``_walk_tile``)."""
         if kind not in KERNELS:
             raise ValueError(f"the matrix schedule's kernels are {KERNELS}, got {kind!r}")
         r = MatrixRenderer(dialect, shape)
@@ -168,7 +170,7 @@ class MatrixKernels:
             ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving"]
             outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
         elif kind in WALK_KINDS:
-            body = r.walk(reverse=kind == "adjoint_walk")
+            body = r.walk(reverse=kind == "adjoint_walk", tile=_walk_tile(dialect, halves))
             ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
@@ -545,6 +547,17 @@ def _named(kind, halves, header, body, ins, outs) -> str:
     return kernel_name("matrix", "_".join([kind, *halves]), header, body, ins, outs)
 
 
+def _walk_tile(dialect, halves) -> str:
+    """The element type of a walk's tiles of ``x`` and ``y``: their half type where the
+    dialect multiplies halves as they are (``half_tiles``) and both are halves of one kind,
+    else ``float``."""
+    factors = {h[0]: h[1:] for h in halves if h[0] in "01"}
+    kinds = set(factors.values())
+    if len(factors) < 2 or len(kinds) != 1:
+        return "float"
+    return dialect.half_tiles.get(kinds.pop(), "float")
+
+
 def _halves(dtypes, prefix="") -> tuple:
     """The positions and dtypes of a kernel's factors (its gradients: ``prefix`` ``o``) in half
     precision, as name parts (``("0bf16", "1bf16")``): the same kernel text compiles to
@@ -606,14 +619,15 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
                           diagonal)
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
-    name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind)
+    ins = MatrixKernels._text(kernels.dialect, shape, kind)[1]
     read = [n for n in ins if n in _FACTORS] if kind in STRIDED else []
     # gradients and readouts the kernel writes in the factors' dtype (``MatrixKernels.core``'s
     # ``grads`` and ``out``)
     written = {"chunk_gradients": ["dc", "da", "db"], "outputs": ["out"]}.get(kind, [])
-    if factors != mx.float32 and read:  # the same text under the name a call gives it
-        name = _named(kind, _halves([factors] * len(read)) +
-                      _halves([factors] * len(written), "o"), header, body, ins, outs)
+    # the text and name a call gives it (a walk's tiles of halves where both factors are)
+    halves = _halves([factors] * len(read)) + _halves([factors] * len(written), "o") \
+        if read else ()
+    name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind, halves)
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
              **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",

@@ -60,6 +60,10 @@ class Dialect:
     # floats added to the rows of the products' operands in group memory, against bank
     # conflicts: (an operand read along its rows, one read down its columns)
     matrix_pads: tuple = (0, 0)
+    # the tile types, by dtype tag ("bf16", "f16"), in which the walks multiply half-precision
+    # factors as they are (``recgen_mm`` on tiles of halves; the scaled rows rounded to the
+    # factors' precision) where both are halves of one kind; elsewhere their tiles hold floats
+    half_tiles: dict = field(default_factory=dict)
     # header lines that bound a kernel's registers to what ``{threads}`` threads a group and
     # ``{groups}`` groups a core leave (the kernel's signature is the host's, MLX's); "" where
     # the target has no such bound
@@ -219,6 +223,8 @@ CUDA = Dialect(
     # a warp's fragment loads touch 8 rows x 4 columns (or 4 x 8): rows 4 (8) floats apart
     # fall in 32 distinct banks
     matrix_pads=(4, 8),
+    # bf16 only: fp16's range would overflow where a growing multiplier scales a row past 65504
+    half_tiles={"bf16": "__nv_bfloat16"},
     # MLX writes the kernel's signature, so its launch bounds come through the qualifier it
     # writes first; only this kernel follows the header
     launch_bounds="""\
@@ -325,6 +331,99 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
     }
   }
 }
+// The same product on half-precision operands (bf16 or fp16 in shared memory, fp32 D): a
+// chain of mma.sync m16n8k16 whose fragments come by ldmatrix, eight halves of a row at a time
+// (every row address 16-byte aligned: lda, ldb and the tiles' origins multiples of 8 halves).
+// ldmatrix gives lane (g, t) elements (g, 2t), (g, 2t + 1) of each 8 x 8 matrix it loads, or
+// with .trans those of the matrix transposed; A's four matrices are op(A)'s blocks at rows
+// +0/+8 and columns +0/+8 (fragments a0..a3), B's two op(B)'s at rows +0/+8 of one 8-column
+// block (b0, b1), read from op(B)ᵀ's rows (PTX ISA, "Matrix Fragments for mma.m16n8k16").
+template <bool TRANS>
+__device__ inline void recgen_ldmatrix4(unsigned (&r)[4], const void* p) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+  }
+}
+template <bool TRANS>
+__device__ inline void recgen_ldmatrix2(unsigned (&r)[2], const void* p) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(at));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(at));
+  }
+}
+__device__ inline void recgen_mma16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                    const __nv_bfloat16*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ inline void recgen_mma16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                    const __half*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <int M, int N, int K, bool TA, bool TB, bool ACC, int WARPS = 8, typename Half>
+__device__ inline void recgen_mm(float* D, int ldd, const Half* A, int lda, const Half* B,
+                                 int ldb, unsigned tid, unsigned threads) {
+  static_assert(M % 16 == 0 && N % 8 == 0 && K % 16 == 0, "whole m16n8k16 tiles");
+  constexpr int NB = (N / 8) % 4 == 0 && (M / 16) * (N / 32) >= WARPS ? 4
+                     : ((N / 8) % 2 == 0 ? 2 : 1);
+  constexpr int STRIPS = N / (8 * NB);
+  const int lane = int(tid & 31u), g = lane >> 2, t = lane & 3;
+  const int mat = lane >> 3, row = lane & 7;  // the matrix and row whose address this lane gives
+  for (unsigned strip = tid >> 5; strip < unsigned((M / 16) * STRIPS); strip += threads >> 5) {
+    const int i = int(strip / STRIPS) * 16, j0 = int(strip % STRIPS) * 8 * NB;
+    float* d = D + (i + g) * ldd + j0 + 2 * t;
+    float c[NB][4];
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      c[n][0] = ACC ? d[8 * n] : 0.0f;
+      c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
+      c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
+      c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
+    }
+    // this lane's row of op(A)'s block (rows +8 (mat & 1), columns +8 (mat >> 1)) at k = 0, as
+    // stored: a row of A, or of Aᵀ where op transposes (then loaded transposed)
+    const Half* a = TA ? A + (8 * (mat >> 1) + row) * lda + i + 8 * (mat & 1)
+                       : A + (i + 8 * (mat & 1) + row) * lda + 8 * (mat >> 1);
+    // and of op(B)'s block (rows +8 (mat & 1)) at k = 0, column j0: a row of B (transposed), or
+    // of Bᵀ, op(B)ᵀ's row
+    const Half* b = TB ? B + (j0 + row) * ldb + 8 * (mat & 1)
+                       : B + (8 * (mat & 1) + row) * ldb + j0;
+#pragma unroll
+    for (int k = 0; k < K; k += 16) {
+      unsigned af[4];
+      recgen_ldmatrix4<TA>(af, TA ? a + k * lda : a + k);
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+        unsigned bf[2];
+        recgen_ldmatrix2<!TB>(bf, TB ? b + 8 * n * ldb + k : b + k * ldb + 8 * n);
+        recgen_mma16(c[n], af, bf, A);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      d[8 * n] = c[n][0];
+      d[8 * n + 1] = c[n][1];
+      d[8 * ldd + 8 * n] = c[n][2];
+      d[8 * ldd + 8 * n + 1] = c[n][3];
+    }
+  }
+}
 """,
     # copies that bypass the registers (cp.async, sm_80 and later): a thread issues all of a
     # tile's at once, where loads through registers held 8 or 16 in flight
@@ -385,6 +484,30 @@ __device__ inline void recgen_put4(float* dst, recgen_halves4<Half> x) {
 template <typename Half>
 __device__ inline void recgen_copy_to_group(float* dst, const Half* src, bool ok) {
   *dst = ok ? float(*src) : 0.0f;
+}
+// Halves into a tile of halves (the walks' operands where both factors are halves of one
+// kind, ``Dialect.half_tiles``): bytes, so cp.async lands them by itself; 8 bytes for four
+// (src-size 2 n: zeros after n), one by a plain load and store
+template <typename Half>
+__device__ inline recgen_copy_in_flight recgen_fetch4(Half* dst, const Half* src, int n) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\\n" ::"r"(to), "l"(src),
+               "r"(2 * n));
+  return {};
+}
+template <typename Half>
+__device__ inline void recgen_put4(Half*, recgen_copy_in_flight) {}
+template <typename Half>
+__device__ inline void recgen_copy_to_group(Half* dst, const Half* src, bool ok) {
+  *dst = ok ? *src : Half(0.0f);
+}
+// four halves of a tile's row as floats (p 8-byte aligned); recgen_store4 rounds them back
+template <typename Half>
+__device__ inline float4 recgen_load4(const Half* p) {
+  const uint2 bits = *reinterpret_cast<const uint2*>(p);
+  const recgen_halves4<Half> x{bits};
+  const float2 lo = recgen_widen2(bits.x, x), hi = recgen_widen2(bits.y, x);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 template <typename Half>
 __device__ inline bool recgen_aligned4(const Half* p) {

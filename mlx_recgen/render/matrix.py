@@ -438,10 +438,13 @@ class MatrixRenderer:
         ctx.update(reverse=reverse, **self._scaled_rows(reverse))
         return environment().get_template("matrix_states.j2").render(**ctx)
 
-    def walk(self, reverse: bool) -> str:
+    def walk(self, reverse: bool, tile: str = "float") -> str:
+        """The walk (``reverse``: its adjoint's); ``tile``: the type of its tiles of ``x`` and
+        ``y``, ``float`` or (``Dialect.half_tiles``) the factors' half type, which the product
+        then takes as it is."""
         kind = "adjoint_walk" if reverse else "walk"
         ctx = self._context(kind)
-        ctx.update(reverse=reverse, **self._scaled_rows(reverse))
+        ctx.update(reverse=reverse, tile=tile, **self._scaled_rows(reverse))
         return environment().get_template("matrix_walk.j2").render(**ctx)
 
     def _scaled_rows(self, reverse: bool) -> dict:
