@@ -75,6 +75,8 @@ def main():
                    help="indices into VARIANTS, in the order run (repeats alternate them)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peer", default="chunk_simple_gla", help="a peer of bench_peers.PEERS, or ''")
+    p.add_argument("--compiled", action="store_true",
+                   help="also our forward+backward under mx.compile (bench_peers.ours)")
     p.add_argument("--out", default="bench-matrix-kernels.json")
     args = p.parse_args()
     names = [list(VARIANTS)[int(i)] for i in args.variants.split(",")]
@@ -90,7 +92,8 @@ def main():
             base = None
             for variant in names:
                 use(variant)
-                r = ours(rg.Recurrence(rg.load_spec(name).spec), xs, w, mdt, "matrix", args.reps)
+                r = ours(rg.Recurrence(rg.load_spec(name).spec), xs, w, mdt, "matrix", args.reps,
+                         compiled=args.compiled)
                 y = r.pop("y")
                 base = y if base is None else base
                 r["err"] = rel(y, base)

@@ -185,7 +185,10 @@ def rel(a, b):
 # -- ours ------------------------------------------------------------------------------------------
 
 
-def ours(rec, xs_np, w_np, dtype, schedule, reps):
+def ours(rec, xs_np, w_np, dtype, schedule, reps, compiled=False):
+    """Our forward, forward+backward and peak memory; ``compiled``: also the forward+backward
+    under ``mx.compile`` (``fwdbwd_compiled``), as a compiled training step runs it: MLX then
+    fuses the elementwise passes around the kernels, which a call as made runs one by one."""
     xs = [mx.array(x).astype(dtype) for x in xs_np]
     w = mx.array(w_np).astype(dtype)
     call = rec.reference if schedule == "loop" else \
@@ -197,8 +200,12 @@ def ours(rec, xs_np, w_np, dtype, schedule, reps):
     y = call(*xs)
     mx.eval(y)
     r = 1 if schedule == "loop" else reps
-    return dict(fwd=time_mlx(lambda: call(*xs), r), fwdbwd=time_mlx(fwdbwd, r),
-                peak=peak_mlx(fwdbwd), y=np.array(y.astype(mx.float32)))
+    out = dict(fwd=time_mlx(lambda: call(*xs), r), fwdbwd=time_mlx(fwdbwd, r),
+               peak=peak_mlx(fwdbwd), y=np.array(y.astype(mx.float32)))
+    if compiled:
+        step = mx.compile(lambda *a: mx.vjp(call, list(a[:-1]), [a[-1]]))
+        out["fwdbwd_compiled"] = time_mlx(lambda: step(*xs, w), r)
+    return out
 
 
 # -- peers -----------------------------------------------------------------------------------------
