@@ -586,33 +586,24 @@ def device_key() -> str:
     return text
 
 
-_RESIDENT = {}  # (device key, value) -> two fp32 copies of the value, evaluated (``resident``)
-
-
-def resident(value: float) -> mx.array:
-    """``value`` as an fp32 scalar for the ops around the kernels: a view of an evaluated array
-    of two, kept. MLX's CUDA backend puts an array of fewer than 8 bytes (a scalar operand a
-    Python number makes) in one small pool of managed memory that the host writes as it makes
-    each, so a kernel reading one waits on that memory (16-20 µs for an op over 524288
-    elements that takes 3.4 without, ``matrix_chunks.sign_of``); an array of 8 bytes has a
-    buffer of its own, which stays where the GPU last read it."""
-    key = (device_key(), value)
-    pair = _RESIDENT.get(key)
-    if pair is None:
-        pair = mx.full((2,), value, dtype=mx.float32)
-        mx.eval(pair)
-        pair = _RESIDENT.setdefault(key, pair)
-    return pair[0]
+_ZERO = {}  # device key -> an evaluated fp32 zero (``zero_state``)
 
 
 def zero_state(shape) -> mx.array:
     """A zero initial state of ``shape`` (fp32): filled where it has at most
-    ``ZEROS_KEPT_MAX`` elements, else a broadcast view of the kept zero (``resident``), which
-    a kernel reads through a copy (a fill reads its scalar from the small pool ``resident``
-    avoids: 17.7 µs for GLA's 2 MB of states at B8 H16 64 x 64 on an H200)."""
+    ``ZEROS_KEPT_MAX`` elements, else a broadcast view of one zero evaluated once per device
+    and kept. A kernel that reads it makes it contiguous by a copy, which on MLX's CUDA backend
+    takes less than a fill (GLA's 2 MB of states at B8 H16 64 x 64 on an H200: 11.6 against
+    17.7 µs, benchmarks/results/bench-matrix-half-walk-H200-2026-11-28.md)."""
     if math.prod(shape) <= ZEROS_KEPT_MAX:
         return mx.zeros(shape, dtype=mx.float32)
-    return mx.broadcast_to(resident(0.0), shape)
+    key = device_key()
+    zero = _ZERO.get(key)
+    if zero is None:
+        zero = mx.zeros((), dtype=mx.float32)
+        mx.eval(zero)
+        zero = _ZERO.setdefault(key, zero)
+    return mx.broadcast_to(zero, shape)
 
 
 def _kept_zeros(states) -> tuple:

@@ -138,19 +138,6 @@ def test_calls_without_an_initial_state_share_a_kept_zero_state(backend, kept_ma
     assert function.zero_state((3, 5)).shape == (3, 5)
 
 
-def test_resident_scalars_are_kept_once_per_value():
-    """``function.resident``: an fp32 scalar of the value, one kept array per value and device
-    however often it is asked for."""
-    from mlx_recgen import function
-
-    x = function.resident(-100.0)
-    n = len(function._RESIDENT)
-    for _ in range(3):
-        assert function.resident(-100.0).item() == -100.0
-    assert x.shape == () and x.dtype == mx.float32 and len(function._RESIDENT) == n
-    assert function.resident(0.5).item() == 0.5 and len(function._RESIDENT) == n + 1
-
-
 def test_compiled_blocks_are_bounded_and_shared_across_lengths(monkeypatch):
     """The mlx backend's compiled forward blocks: one compiled function per shape of the axes
     other than time (a new length reuses it), at most ``COMPILED_SIZES`` of them."""

@@ -81,10 +81,9 @@ def parity(sign, axis):
 def sign_of(d):
     """``±1``: the sign of ``d``, ``+1`` at zero, from ``sign(d)`` and a zero test. No operand
     is a scalar: on MLX's CUDA backend an uncompiled kernel with a scalar operand (``d < 0``,
-    ``where(.., -1, 1)``) reads it from the small pool of managed memory the host writes
-    (``function.resident``), 16-20 µs a kernel over 524288 elements where one without takes
-    3.4 (benchmarks/results/bench-matrix-walk-H200-2026-11-27.md); a gradient's trace of the
-    forward runs uncompiled."""
+    ``where(.., -1, 1)``) reads it from host memory, 16-20 µs a kernel over 524288 elements
+    where one without takes 3.4 (benchmarks/results/bench-matrix-walk-H200-2026-11-27.md); a
+    gradient's trace of the forward runs uncompiled."""
     return mx.sign(d) + mx.logical_not(d)
 
 

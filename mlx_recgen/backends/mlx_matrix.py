@@ -42,7 +42,7 @@ import operator
 import mlx.core as mx
 import sympy
 
-from ..function import COMPILED_BACKENDS, resident
+from ..function import COMPILED_BACKENDS
 from ..ir import Accumulate, Loop, Program, Store
 from ..layout import expand_groups, expanded, from_canonical, spread, to_canonical
 from ..memo import LRU
@@ -55,9 +55,7 @@ from .matrix_kernels import kernel_chunk, kernel_flags, matrix_kernels
 from .mlx_blocks import Block
 from .mlx_ops import COMPILED_SIZES, SequentialForm
 
-# exp(-100) ~ 4e-44: a multiplier this small or zero erases the state (an operand from
-# ``function.resident``)
-LOG_FLOOR = -100.0
+LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
 SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
 
 
@@ -523,7 +521,7 @@ class MatrixForm(SequentialForm):
                 continue
             # a zero multiplier would give -inf - -inf below: its log is floored where exp
             # underflows anyway
-            log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], resident(LOG_FLOOR)))
+            log_d = chunks.cut(mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR))
             # a scalar decay's causal weights, one [C, C] matrix for every product of the state
             between = None if st.vector_decay else causal_weights(log_d)[..., 0]
             before = mx.cumsum(log_d, axis=-2, inclusive=False)  # log |d(1..t-1)|
@@ -656,7 +654,7 @@ class MatrixForm(SequentialForm):
         grads = [half[k].dtype if k in half and k in self.alone and self.level[k] is None
                  else mx.float32 for k in keys]
         core = self.kernels.core(shape, grads, out)
-        log_d = mx.maximum(f[("log_decay", s, None, None)], resident(LOG_FLOOR))
+        log_d = mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR)
         T = log_d.shape[-2]
         # the factors as (*batch, T, X) views, read where they lie (``matrix_kernels.STRIDED``)
         lead = lambda x: mx.broadcast_to(x, (*batch, T, x.shape[-1]))
