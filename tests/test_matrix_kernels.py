@@ -98,17 +98,23 @@ def states_path(request, monkeypatch):
     monkeypatch.setattr(mk, "WALK_GROUPS", 1 if walk else 1 << 62)
     for backend in ("metal", "metal-sim", "cuda"):
         monkeypatch.setitem(mk.WALKS, backend, True)
-    ran = []
-    choose = mk.MatrixKernels.walk
-
-    def counted(self, shape, instances):
-        ran.append(choose(self, shape, instances))
-        return ran[-1]
-
-    monkeypatch.setattr(mk.MatrixKernels, "walk", counted)
+    ran = _walks_chosen(monkeypatch)
     yield request.param
     assert ran and all(walked == walk for walked in ran), \
         f"the states did not pass through the chunks as {request.param}: {ran}"
+
+
+def _walks_chosen(monkeypatch) -> list:
+    """The choices ``MatrixKernels.walk`` makes from now on (True: the walk), as they are made."""
+    chosen = []
+    choose = mk.MatrixKernels.walk
+
+    def counted(self, shape, instances):
+        chosen.append(choose(self, shape, instances))
+        return chosen[-1]
+
+    monkeypatch.setattr(mk.MatrixKernels, "walk", counted)
+    return chosen
 
 
 def _assert_gla_matches(backend, q, k, v, g, S0, seg, tol):
@@ -293,14 +299,7 @@ def test_a_changed_switch_takes_effect_in_the_next_call(backend, kernel_calls, m
     mx.random.seed(5)
     q, k, v, g, S0 = _gla_inputs(2, 40, 2, 16, 8)
     gla = rg.load_spec("gla")
-    chosen = []
-    choose = mk.MatrixKernels.walk
-
-    def counted(self, shape, instances):
-        chosen.append(choose(self, shape, instances))
-        return chosen[-1]
-
-    monkeypatch.setattr(mk.MatrixKernels, "walk", counted)
+    chosen = _walks_chosen(monkeypatch)
     monkeypatch.setitem(mk.WALKS, backend, True)
     results = []
     for groups in (1, 1 << 62):
