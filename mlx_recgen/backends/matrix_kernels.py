@@ -392,7 +392,8 @@ class MatrixKernels:
     # -- the custom function ---------------------------------------------------------------------
     def core(self, shape, grads=None, out=mx.float32):
         """``(c, a, b, log_d, sign, S0) -> (y, S_final, S_start)`` with its VJP (module
-        docstring), ``y`` in ``c``'s batch shape (``outputs``); ``sign`` is read for a ``signed`` shape only (pass any array else).
+        docstring), ``y`` in ``c``'s batch shape (``outputs``); ``sign`` is read for a
+        ``signed`` shape only (pass any array else).
         ``grads``: the dtypes of the gradients of ``c``, ``a`` and ``b`` (fp32 by default; half
         precision for a factor whose gradient is final, nothing added to it after); ``out``:
         the readouts' (half precision where they are the call's outputs as they are)."""
