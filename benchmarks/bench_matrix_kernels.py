@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_recgen as rg
+from mlx_recgen import ops
 from bench_peers import CASES, PEERS, make_inputs, ours, peers_run, rel, versions
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.memo import LRU
@@ -75,6 +76,9 @@ def main():
                    help="indices into VARIANTS, in the order run (repeats alternate them)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peer", default="chunk_simple_gla", help="a peer of bench_peers.PEERS, or ''")
+    p.add_argument("--gate", choices=("linear", "log"), default="linear",
+                   help="GLA's gate as the bundled spec takes it, or in log space as FLA's "
+                        "chunk_simple_gla takes it (our mlx_recgen.ops.gla_g)")
     p.add_argument("--compiled", action="store_true",
                    help="also our forward+backward under mx.compile (bench_peers.ours)")
     p.add_argument("--out", default="bench-matrix-kernels.json")
@@ -92,7 +96,10 @@ def main():
             base = None
             for variant in names:
                 use(variant)
-                r = ours(rg.Recurrence(rg.load_spec(name).spec), xs, w, mdt, "matrix", args.reps,
+                spec, ours_xs = rg.load_spec(name).spec, xs
+                if name == "gla" and args.gate == "log":  # the same recurrence, the gate's log
+                    spec, ours_xs = ops.gla_g.spec, [*xs[:3], np.log(xs[3])]
+                r = ours(rg.Recurrence(spec), ours_xs, w, mdt, "matrix", args.reps,
                          compiled=args.compiled)
                 y = r.pop("y")
                 base = y if base is None else base

@@ -78,6 +78,18 @@ def gated_delta_rule_general(S, q, k, v, g, gk, gv, beta, i):
 
 
 @recurrence(lane="V", state={"S": "B H K V"},
+            inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "g": "B L H"},
+            outputs={"o": "B L H V"})
+def gla_g(S, q, k, v, g, i):
+    """GLA with a log gate per head and step: S <- exp(g) S + k v^T;  o = S^T q. The bundled
+    ``gla`` with the gate exp(g), written so: the compiler then knows the decay is positive and
+    its log is g (no log of the gate, no signs), and g's gradient comes without a division by
+    the gate."""
+    S[i] = exp(g) * S[i] + k[i] * v
+    return {"o": Sum(q[i] * S[i], i)}
+
+
+@recurrence(lane="V", state={"S": "B H K V"},
             inputs={"q": "B L H K", "k": "B L H K", "v": "B L H V", "gk": "B L H K"},
             outputs={"o": "B L H V"})
 def gla_gk(S, q, k, v, gk, i):
@@ -404,8 +416,8 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
     ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first``), reverse (run each sequence from
     its last step), cu_seqlens. Returns ``(o, final_state or None)``.
 
-    Runs the bundled ``gla`` spec with the gate ``exp(g)``; no other difference from FLA beyond
-    the module's list.
+    Runs the bundled ``gla`` spec's recurrence with the gate in log space (``gla_g``); no other
+    difference from FLA beyond the module's list.
     """
     fn = "fused_recurrent_simple_gla"
     state_v_first = _retired_keywords(fn, head_first, state_v_first, transpose_state_layout)
@@ -420,9 +432,8 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
     if g_gamma is not None:
         log_g = log_g + _check(fn, "g_gamma", g_gamma, "H", sizes)
     seq = dict(q=q * _scale(fn, scale, K), k=k, v=v, g=log_g)
-    return _run(load_spec("gla"), fn, seq, {}, initial_state, output_final_state, cu_seqlens,
-                reverse, backend, seg, q.dtype, after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
-                state_v_first=state_v_first, schedule=schedule)
+    return _run(gla_g, fn, seq, {}, initial_state, output_final_state, cu_seqlens, reverse,
+                backend, seg, q.dtype, state_v_first=state_v_first, schedule=schedule)
 
 
 def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None,
@@ -451,11 +462,10 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
         _check(fn, "gk", gk, "B T H K", sizes)
     if gv is not None:
         _check(fn, "gv", gv, "B T H V", sizes)
-    if gv is None and gk is None:  # no decay: the bundled GLA with a gate of exp(0)
-        return _run(load_spec("gla"), fn, dict(q=q, k=k, v=v, g=mx.zeros((B, T, H), q.dtype)),
+    if gv is None and gk is None:  # no decay: GLA with a log gate of 0
+        return _run(gla_g, fn, dict(q=q, k=k, v=v, g=mx.zeros((B, T, H), q.dtype)),
                     {}, initial_state, output_final_state, cu_seqlens, reverse, backend, seg,
-                    q.dtype, after_packing=lambda p: {**p, "g": mx.exp(p["g"])},
-                    state_v_first=state_v_first, schedule=schedule)
+                    q.dtype, state_v_first=state_v_first, schedule=schedule)
     if gv is None:
         rec, seq = gla_gk, dict(q=q, k=k, v=v, gk=gk)
     else:
