@@ -26,6 +26,24 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The shapes of the matrix kernels' cores run (``MatrixKernels.core``), so a test knows the
+    kernels (not MLX ops) ran; the kernels on for every backend."""
+    from mlx_recgen.backends import matrix_kernels as mk
+
+    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "1")
+    calls = []
+    core = mk.MatrixKernels.core
+
+    def counted(self, shape, *grads):
+        calls.append(shape)
+        return core(self, shape, *grads)
+
+    monkeypatch.setattr(mk.MatrixKernels, "core", counted)
+    return calls
+
+
 def rel_err(a, b, dtype=np.float64) -> float:
     """‖a − b‖ / ‖b‖, computed in ``dtype`` (float64 by default, or float32)."""
     def as_np(x):

@@ -39,22 +39,6 @@ def _tol(backend):
     return TF32_TOL if backend == "cuda" else TOL
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts the kernels' cores run, so a test knows the kernels (not MLX ops) ran; the
-    kernels on for every backend (CUDA's default is MLX's matmuls)."""
-    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "1")
-    calls = []
-    core = mk.MatrixKernels.core
-
-    def counted(self, shape, *grads):
-        calls.append(shape)
-        return core(self, shape, *grads)
-
-    monkeypatch.setattr(mk.MatrixKernels, "core", counted)
-    return calls
-
-
 @pytest.fixture(params=["kernels", "matmuls"])
 def readouts(request, monkeypatch):
     """The readouts in the outputs kernel and the chunks' backward in the chunk-gradients kernel,

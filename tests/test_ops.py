@@ -195,22 +195,11 @@ def test_simple_gla_packed_sequences_in_reverse(backend):
 
 
 @pytest.mark.parametrize("backend", ["mlx", "metal-sim"])
-def test_simple_gla_takes_its_gate_in_log_space(backend, monkeypatch):
+def test_simple_gla_takes_its_gate_in_log_space(backend, kernel_calls):
     """``fused_recurrent_simple_gla`` runs GLA with the gate in log space (``ops.gla_g``):
     the compiler knows the decay ``exp(g)`` is positive and its log is ``g``, so the matrix
     kernels run without signs (``signed`` false), and outputs, final state and every gradient
     match FLA's formula, with log gates from -6 to 0."""
-    from mlx_recgen.backends import matrix_kernels as mk
-
-    monkeypatch.setenv("MLX_RECGEN_MATRIX_KERNELS", "1")
-    shapes = []
-    core = mk.MatrixKernels.core
-
-    def counted(self, shape, *args):
-        shapes.append(shape)
-        return core(self, shape, *args)
-
-    monkeypatch.setattr(mk.MatrixKernels, "core", counted)
     T = 40
     arrays = dict(**_qkv(2, T), g=-6 * mx.random.uniform(shape=(2, T, H)),
                   h0=_n(2, H, K, V, scale=0.5))
@@ -224,8 +213,8 @@ def test_simple_gla_takes_its_gate_in_log_space(backend, monkeypatch):
         return list(fla_sequences(fla_gla_step(K ** -0.5), [q, k, v, g, None, None], h0))
 
     _compare(ours, ref, arrays)
-    assert (backend == "mlx") != bool(shapes)  # the kernels ran where there are any
-    assert not any(s.signed for s in shapes)
+    assert (backend == "mlx") != bool(kernel_calls)  # the kernels ran where there are any
+    assert not any(s.signed for s in kernel_calls)
 
 
 def test_simple_gla_g_gamma_equal_lengths_v_first():
