@@ -59,8 +59,8 @@ def readouts(request, monkeypatch):
 
     monkeypatch.setattr(mk.MatrixKernels, "_outputs_by_matmuls",
                         counting(mk.MatrixKernels._outputs_by_matmuls, "readouts"))
-    monkeypatch.setattr(mk.MatrixKernels, "_chunk_gradients_in_one",
-                        counting(mk.MatrixKernels._chunk_gradients_in_one, "one kernel"))
+    monkeypatch.setattr(mk.MatrixKernels, "chunk_gradients",
+                        counting(mk.MatrixKernels.chunk_gradients, "one kernel"))
     monkeypatch.setattr(mk.MatrixKernels, "_chunk_gradients",
                         counting(mk.MatrixKernels._chunk_gradients, "products"))
     yield request.param

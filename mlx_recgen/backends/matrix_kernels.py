@@ -23,7 +23,10 @@ differentiates it; the core's VJP is
   gradients kernel adds the products up and sums the rows that carry the cotangents of
   ``exp(R)`` and ``exp(Λ_C - Λ)``, which MLX's VJP takes back onto ``log d`` through their
   sums, as that of ``exp(Λ_C)``. The one kernel forms the same sums from the scores it keeps
-  in group memory (``render/matrix.py``); MLX's VJP of the exponentials is shared.
+  in group memory (``render/matrix.py``) and takes them onto ``log d`` itself: a step's
+  cotangent through ``exp(R_t)`` is a sum over the rows after it, through ``exp(Λ_C - Λ_t)``
+  over the rows before, and every step has the chunk's through ``exp(Λ_C)``; no pass of MLX's
+  follows it.
 
 Its forward-mode rule differentiates the same chunk form in MLX ops (``core_in_ops``); a
 second derivative and ``mx.vmap`` raise (the kernels have neither).
@@ -168,7 +171,7 @@ class MatrixKernels:
         elif kind == "chunk_gradients":
             body = r.chunk_gradients()
             ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving"]
-            outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
+            outs = ["dc", "da", "db", "d_log_d"]
         elif kind in WALK_KINDS:
             body = r.walk(reverse=kind == "adjoint_walk", tile=_walk_tile(dialect, halves))
             ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
@@ -298,11 +301,10 @@ class MatrixKernels:
 
     def chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving, grads=None):
         """The chunks' backward in one kernel: ``(dc, da, db)`` ``(I, T, X)`` (in the dtypes
-        ``grads``, fp32 by default), the rows' sums
-        that carry the cotangents of ``exp(R)`` and ``exp(Λ_C - Λ)`` (``Σ_k c (dy Sᵀ)``,
-        ``Σ_k a (b Gᵀ)``, ``(I, T)``), each chunk's ``Σ S ∘ G`` (that of ``exp(Λ_C)``,
-        ``(I, nc)``) and the cotangent of ``log d`` through the causal weights ``(I, T)``;
-        ``c``, ``a``, ``b``, ``dy`` are ``(*batch, T, X)`` at any strides."""
+        ``grads``, fp32 by default) and the cotangent of ``log d`` ``(I, T)``, all of it:
+        through the causal weights, the rows' exponentials ``exp(R)`` and ``exp(Λ_C - Λ)`` and
+        each chunk's whole decay (what ``_through_exponentials`` takes in MLX ops on the other
+        path); ``c``, ``a``, ``b``, ``dy`` are ``(*batch, T, X)`` at any strides."""
         T, K = c.shape[-2:]
         I, V = math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
@@ -311,8 +313,8 @@ class MatrixKernels:
         return self._kernel(shape, "chunk_gradients", (c, a, b, dy), grads)(
             inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving],
             grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T), (I, T), (I, nc), (I, T)],
-            output_dtypes=grads + [mx.float32] * 4)
+            output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T)],
+            output_dtypes=grads + [mx.float32])
 
     def gradients(self, shape, cc, ac, dy_S, dW_a, dW_c, b_G, a_G, W_dy, e_row, e_end):
         """``(dc, da, db, Σ_k c dy_S, Σ_k a b_G)`` by chunk from the products (``(I, nc, C, X)``)
@@ -421,8 +423,8 @@ class MatrixKernels:
                                                             log_d, signs, starts, leaving)
                 dc, da, db = (g.astype(d) for g, d in zip((dc, da, db), grads))
             else:
-                dc, da, db, d_log_d = self._chunk_gradients_in_one(shape, c, a, b, log_d, signs,
-                                                                   dy, starts, leaving, grads)
+                dc, da, db, d_log_d = self.chunk_gradients(shape, c, a, b, dy, log_d, signs,
+                                                           starts, leaving, grads)
             # fp32 gradients unless ``grads`` says otherwise: a factor given in half precision
             # whose input has other uses gets them summed before one rounding
             # (``mlx_matrix.read_as_given``)
@@ -453,19 +455,6 @@ class MatrixKernels:
                            for i in moving])[1]
 
         return core
-
-    def _chunk_gradients_in_one(self, shape, c, a, b, log_d, sign, dy, starts, leaving,
-                                grads=None):
-        """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk,
-        the chunk-gradients kernel's (``dc, da, db`` in the dtypes ``grads``); MLX takes the
-        exponentials' cotangents onto ``log d``."""
-        dc, da, db, row_c, row_a, whole, d_log_d = self.chunk_gradients(
-            shape, c, a, b, dy, log_d, sign, starts, leaving, grads)
-        chunks = MatrixChunks(log_d.shape[-1], shape.C, 1)
-        d_lam = _through_exponentials(shape, chunks, log_d, sign,
-                                      *(chunks.cut(x[..., None]) for x in (row_c, row_a)),
-                                      whole[..., None, None])
-        return dc, da, db, d_lam + d_log_d
 
     def _chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
