@@ -230,6 +230,7 @@ class MatrixKernels:
         decay's ``±1`` per step, for a shape that is ``signed`` (else None). One walk through
         the chunks where ``walk`` says so; else two launches, every chunk's state from zero at
         once, then the chain through the chunks."""
+        x, y = _one_batch(x, y)
         T, K = x.shape[-2:]
         I, V = math.prod(x.shape[:-2]), y.shape[-1]
         nc = -(-T // shape.C)
@@ -259,6 +260,7 @@ class MatrixKernels:
         shape, not as instances: the readouts' cotangent then reaches the backward's kernels
         as the caller's layout gives it, read where it lies (a reshape to instances would copy
         a transposed cotangent first)."""
+        c, a, b = _one_batch(c, a, b)
         T, V = c.shape[-2], b.shape[-1]
         readouts = (*c.shape[:-2], T, V)
         if OUTPUTS_BY_MATMULS.get(self.backend, False):
@@ -305,6 +307,7 @@ class MatrixKernels:
         through the causal weights, the rows' exponentials ``exp(R)`` and ``exp(Λ_C - Λ)`` and
         each chunk's whole decay (what ``_through_exponentials`` takes in MLX ops on the other
         path); ``c``, ``a``, ``b``, ``dy`` are ``(*batch, T, X)`` at any strides."""
+        c, a, b, dy = _one_batch(c, a, b, dy)
         T, K = c.shape[-2:]
         I, V = math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
@@ -518,6 +521,15 @@ def _tile_count(K, V, tiles):
 
 def _tr(x):
     return mx.swapaxes(x, -1, -2)
+
+
+def _one_batch(*xs) -> list:
+    """``(*batch, T, X)`` inputs of a kernel that reads them where they lie, as views of one
+    batch shape (broadcast where they differ): the kernels find every input's offsets from the
+    first's batch digits (``matrix_strided.j2``)."""
+    batch = mx.broadcast_shapes(*(x.shape[:-2] for x in xs))
+    return [x if x.shape[:-2] == batch else mx.broadcast_to(x, (*batch, *x.shape[-2:]))
+            for x in xs]
 
 
 def _instances(*xs):
