@@ -193,9 +193,9 @@ class MatrixKernels:
                              header=header, **launch)
 
     def _kernel(self, shape, kind, inputs=(), outputs=()):
-        """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads) and the dtypes
-        of its first ``outputs`` (the gradients it writes, else fp32), either of which may be in
-        half precision (``_halves``)."""
+        """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads, and the states
+        where it reads them) and the dtypes of its first ``outputs`` (the gradients or the
+        states it writes, else fp32), any of which may be in half precision (``_halves``)."""
         halves = _halves([x.dtype for x in inputs]) + _halves(outputs, "o")
 
         def build():
@@ -215,6 +215,17 @@ class MatrixKernels:
         b = self.backend
         return (WALKS.get(b, False), WALK_GROUPS, OUTPUTS_BY_MATMULS.get(b, False),
                 GRADIENTS_BY_MATMULS.get(b, False))
+
+    def states_dtype(self, shape, x, y) -> mx.Dtype:
+        """The dtype of the states entering the chunks (the adjoint's: the gradients leaving
+        them) that ``states`` returns for factors ``x``, ``y``: their half type where the walk
+        multiplies them as they are (``Dialect.half_tiles``), as FLA's kernels keep their
+        chunks' states in bf16 (each stored rounded; the walk carries its state in fp32); fp32
+        elsewhere. The final state is fp32 either way."""
+        if not self.walk(shape, math.prod(x.shape[:-2])):
+            return mx.float32
+        halves = _halves([x.dtype, y.dtype])
+        return x.dtype if _walk_tile(self.dialect, halves) != "float" else mx.float32
 
     # -- launches --------------------------------------------------------------------------------
     def walk(self, shape, instances) -> bool:
@@ -236,12 +247,14 @@ class MatrixKernels:
         nc = -(-T // shape.C)
         if self.walk(shape, I):
             threads = group_threads("walk")
-            return self._kernel(shape, "adjoint_walk" if reverse else "walk", (x, y))(
+            states = self.states_dtype(shape, x, y)
+            return self._kernel(shape, "adjoint_walk" if reverse else "walk", (x, y), (states,))(
                 # the initial state read row-contiguous (the walk reads x and y where they lie)
                 inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init)],
                 grid=(I * _tile_count(K, V, shape.walk_tiles) * threads, 1, 1),
                 threadgroup=(threads, 1, 1),
-                output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32] * 2)
+                output_shapes=[(I, nc, K, V), (I, K, V)],
+                output_dtypes=[states, mx.float32])
         tiles = _tile_count(K, V, shape.state_tiles)
         local, decay = self._kernel(shape, "adjoint" if reverse else "states", (x, y))(
             inputs=[x, y, log_d, *_signs(sign)],
@@ -268,7 +281,8 @@ class MatrixKernels:
                                             starts).astype(out).reshape(readouts)
         nc = -(-T // shape.C)
         groups = math.prod(c.shape[:-2]) * nc * -(-V // shape.VT)
-        return self._kernel(shape, "outputs", (c, a, b), (out,))(
+        # the states among the inputs named by dtype: the same text reads floats or halves
+        return self._kernel(shape, "outputs", (c, a, b, starts), (out,))(
             inputs=[c, a, b, log_d, *_signs(sign), starts],
             grid=(groups * group_threads("outputs"), 1, 1),
             threadgroup=(group_threads("outputs"), 1, 1),
@@ -313,7 +327,7 @@ class MatrixKernels:
         nc = -(-T // shape.C)
         threads = group_threads("chunk_gradients")
         grads = list(grads or _FP32_GRADS)
-        return self._kernel(shape, "chunk_gradients", (c, a, b, dy), grads)(
+        return self._kernel(shape, "chunk_gradients", (c, a, b, dy, starts, leaving), grads)(
             inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving],
             grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T)],
@@ -451,7 +465,8 @@ class MatrixKernels:
 
             def values(c, a, b, log_d, init):
                 y, last, starts = core_in_ops(shape, *_instances(c, a, b), log_d, sign, init)
-                return y.astype(out).reshape(*c.shape[:-1], y.shape[-1]), last, starts
+                return (y.astype(out).reshape(*c.shape[:-1], y.shape[-1]), last,
+                        starts.astype(self.states_dtype(shape, a, b)))
 
             return mx.jvp(values, [primals[i] for i in moving],
                           [mx.zeros_like(primals[i]) if tangents[i] is None else tangents[i]
@@ -604,7 +619,9 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     ``DECAY_SCORE_KINDS``) as ``backend`` compiles it, MLX's generated signature included, for
     a state of ``state_size`` x ``lanes``; ``units``: the products on the matrix units, or exact
     on the scalar units (None: as a call would); ``factors``: the dtype of the factors the
-    kernel reads where they lie (``STRIDED`` kinds; half precision is widened on its way)."""
+    kernel reads where they lie (``STRIDED`` kinds; half precision is widened on its way), and
+    of what a call gives or takes with them in that precision (the readouts' cotangent, the
+    walk's states, gradients and readouts)."""
     from .mlx_source import cuda_source, metal_source
     from .kernels import _ArrayInfo
 
@@ -621,24 +638,32 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
                           diagonal)
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
-    ins = MatrixKernels._text(kernels.dialect, shape, kind)[1]
-    read = [n for n in ins if n in _FACTORS] if kind in STRIDED else []
-    # gradients and readouts the kernel writes in the factors' dtype (``MatrixKernels.core``'s
+    _, ins, outs = MatrixKernels._text(kernels.dialect, shape, kind)[:3]
+    # the dtypes a call gives what a kernel may read or write in half precision: the factors
+    # and the readouts' cotangent, read where they lie; the states as the walk keeps them
+    # (``MatrixKernels.states_dtype``); the gradients and readouts it writes (``core``'s
     # ``grads`` and ``out``)
-    written = {"chunk_gradients": ["dc", "da", "db"], "outputs": ["out"]}.get(kind, [])
+    states = factors if _walk_tile(kernels.dialect, _halves([factors] * 2)) != "float" \
+        else mx.float32
+    given = {n: factors for n in ins if n in (*_FACTORS, "dy")} if kind in STRIDED else {}
+    if given:
+        given.update({n: states for n in ins if n in ("starts", "leaving")})
+    made = {n: factors for n in {"chunk_gradients": ["dc", "da", "db"],
+                                 "outputs": ["out"]}.get(kind, [])}
+    if kind in WALK_KINDS:
+        made["states"] = states
     # the text and name a call gives it (a walk's tiles of halves where both factors are)
-    halves = _halves([factors] * len(read)) + _halves([factors] * len(written), "o") \
-        if read else ()
+    halves = _halves([given[n] for n in ins if n in given]) + \
+        _halves([made[n] for n in outs if n in made], "o")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind, halves)
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
              **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
                                "starts", "leaving")}}
-    dtypes = {n: factors for n in read}
-    infos = [_ArrayInfo(mx.int32 if n == "dims" else dtypes.get(n, mx.float32), ranks.get(n, 3))
+    infos = [_ArrayInfo(mx.int32 if n == "dims" else given.get(n, mx.float32), ranks.get(n, 3))
              for n in ins]
     return build(name, ins, outs, body, header, infos,
-                 [factors if n in written else mx.float32 for n in outs], [])[1]
+                 [made.get(n, mx.float32) for n in outs], [])[1]
 
 
 _FACTORS = ("c", "a", "b", "x", "y")  # the factors a kernel may take in half precision

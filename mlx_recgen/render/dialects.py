@@ -42,9 +42,9 @@ class Dialect:
     matrix_prelude: str = ""
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
     # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
-    # recgen_copy4_to_group(dst, src, n): four floats, the first n of src (0 <= n <= 4) and
-    # zeros after, where recgen_aligned4(src) holds (four elements at once) and dst is 16-byte
-    # aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
+    # recgen_copy4_to_group(dst, src, n): four floats (or halves, widened), the first n of src
+    # (0 <= n <= 4) and zeros after, where recgen_aligned4(src) holds (four elements at once)
+    # and dst is 16-byte aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
     # src floats or halves (widened on the way), every fetch of a pass before its puts;
     # recgen_load4(p) and recgen_store4(p, x): four floats of group or device memory at p,
     # 16-byte aligned (a store to device memory of halves rounds them, 8-byte aligned);
@@ -484,6 +484,11 @@ __device__ inline void recgen_put4(float* dst, recgen_halves4<Half> x) {
 template <typename Half>
 __device__ inline void recgen_copy_to_group(float* dst, const Half* src, bool ok) {
   *dst = ok ? float(*src) : 0.0f;
+}
+// four halves of a state's row into a tile of floats, widened (src 8-byte aligned)
+template <typename Half>
+__device__ inline void recgen_copy4_to_group(float* dst, const Half* src, int n) {
+  recgen_put4(dst, recgen_fetch4(dst, src, n));
 }
 // Halves into a tile of halves (the walks' operands where both factors are halves of one
 // kind, ``Dialect.half_tiles``): bytes, so cp.async lands them by itself; 8 bytes for four
