@@ -273,6 +273,28 @@ __device__ inline unsigned recgen_tf32(float x) {
 __device__ inline int recgen_at(int ld, bool tr, int r, int c) {
   return tr ? c * ld + r : r * ld + c;
 }
+// a strip's accumulators, NB tiles of 16 x 8 side by side: lane (g, t) holds D's rows g, g + 8,
+// columns 2t, 2t + 1 of each (d: D at (g, 2t) of the first); zeros unless ACC adds to D
+template <int NB, bool ACC>
+__device__ inline void recgen_accumulators(float (&c)[NB][4], const float* d, int ldd) {
+#pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    c[n][0] = ACC ? d[8 * n] : 0.0f;
+    c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
+    c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
+    c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
+  }
+}
+template <int NB>
+__device__ inline void recgen_store_accumulators(float* d, int ldd, const float (&c)[NB][4]) {
+#pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    d[8 * n] = c[n][0];
+    d[8 * n + 1] = c[n][1];
+    d[8 * ldd + 8 * n] = c[n][2];
+    d[8 * ldd + 8 * n + 1] = c[n][3];
+  }
+}
 // D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in shared memory (row-major,
 // leading dimensions lda, ldb, ldd; op transposes where TA / TB), called by all ``threads`` of
 // the block (``tid``: this one): strips of 16 x 8 tiles of D dealt to the warps in turn, each a chain of mma.sync m16n8k8 over K on the tensor cores, operands in TF32
@@ -298,13 +320,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
     const float* b = B + recgen_at(ldb, TB, t, j0 + g);
     float* d = D + (i + g) * ldd + j0 + 2 * t;
     float c[NB][4];
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      c[n][0] = ACC ? d[8 * n] : 0.0f;
-      c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
-      c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
-      c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
-    }
+    recgen_accumulators<NB, ACC>(c, d, ldd);
 #pragma unroll
     for (int k = 0; k < K; k += 8) {
       const unsigned a0 = recgen_tf32(a[recgen_at(lda, TA, 0, k)]);
@@ -322,13 +338,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
       }
     }
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      d[8 * n] = c[n][0];
-      d[8 * n + 1] = c[n][1];
-      d[8 * ldd + 8 * n] = c[n][2];
-      d[8 * ldd + 8 * n + 1] = c[n][3];
-    }
+    recgen_store_accumulators<NB>(d, ldd, c);
   }
 }
 // The same product on half-precision operands (bf16 or fp16 in shared memory, fp32 D): a
@@ -389,13 +399,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const Half* A, int lda, cons
     const int i = int(strip / STRIPS) * 16, j0 = int(strip % STRIPS) * 8 * NB;
     float* d = D + (i + g) * ldd + j0 + 2 * t;
     float c[NB][4];
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      c[n][0] = ACC ? d[8 * n] : 0.0f;
-      c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
-      c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
-      c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
-    }
+    recgen_accumulators<NB, ACC>(c, d, ldd);
     // this lane's row of op(A)'s block (rows +8 (mat & 1), columns +8 (mat >> 1)) at k = 0, as
     // stored: a row of A, or of Aᵀ where op transposes (then loaded transposed)
     const Half* a = TA ? A + (8 * (mat >> 1) + row) * lda + i + 8 * (mat & 1)
@@ -415,13 +419,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const Half* A, int lda, cons
         recgen_mma16(c[n], af, bf, A);
       }
     }
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      d[8 * n] = c[n][0];
-      d[8 * n + 1] = c[n][1];
-      d[8 * ldd + 8 * n] = c[n][2];
-      d[8 * ldd + 8 * n + 1] = c[n][3];
-    }
+    recgen_store_accumulators<NB>(d, ldd, c);
   }
 }
 """,
