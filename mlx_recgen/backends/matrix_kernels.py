@@ -647,7 +647,7 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
         else mx.float32
     given = {n: factors for n in ins if n in (*_FACTORS, "dy")} if kind in STRIDED else {}
     if given:
-        given.update({n: states for n in ins if n in ("starts", "leaving")})
+        given.update({n: states for n in ins if n in ("states", "starts", "leaving")})
     made = {n: factors for n in {"chunk_gradients": ["dc", "da", "db"],
                                  "outputs": ["out"]}.get(kind, [])}
     if kind in WALK_KINDS:
