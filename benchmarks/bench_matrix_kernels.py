@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_recgen as rg
-from mlx_recgen import ops
-from bench_peers import CASES, PEERS, make_inputs, ours, peers_run, rel, versions
+from bench_peers import (CASES, PEERS, in_log_space, make_inputs, ours, peers_run, rel,
+                         versions)
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.memo import LRU
 from mlx_recgen.render import matrix as render_matrix
@@ -96,9 +96,7 @@ def main():
             base = None
             for variant in names:
                 use(variant)
-                spec, ours_xs = rg.load_spec(name).spec, xs
-                if name == "gla" and args.gate == "log":  # the same recurrence, the gate's log
-                    spec, ours_xs = ops.gla_g.spec, [*xs[:3], np.log(xs[3])]
+                spec, ours_xs = in_log_space(name, rg.load_spec(name).spec, xs, args.gate)
                 r = ours(rg.Recurrence(spec), ours_xs, w, mdt, "matrix", args.reps,
                          compiled=args.compiled)
                 y = r.pop("y")

@@ -115,6 +115,16 @@ def make_inputs(name, s, rng):
             np.log(u(0.9, 1.0, B, L, H)), u(0.1, 0.9, B, L, H)]
 
 
+def in_log_space(name, spec, xs, gate):
+    """GLA's spec and inputs with the gate in log space (``ops.gla_g`` on ``log g``), as FLA's
+    ``chunk_simple_gla`` takes it, where ``gate`` is ``"log"``; otherwise as given."""
+    if name != "gla" or gate != "log":
+        return spec, xs
+    from mlx_recgen import ops
+
+    return ops.gla_g.spec, [*xs[:3], np.log(xs[3])]
+
+
 # -- timing ----------------------------------------------------------------------------------------
 
 

@@ -26,13 +26,14 @@ def run(args):
     import numpy as np
 
     import mlx_recgen as rg
-    from bench_peers import make_inputs
+    from bench_peers import in_log_space, make_inputs
 
     dtype = getattr(mx, args.dtype)
     shape = {k: int(v) for k, v in (s.split("=") for s in args.shape)}
-    rec = rg.load_spec(args.spec)
-    rng = np.random.default_rng(0)
-    xs = [mx.array(x).astype(dtype) for x in make_inputs(args.spec, shape, rng)]
+    inputs = make_inputs(args.spec, shape, np.random.default_rng(0))
+    spec, inputs = in_log_space(args.spec, rg.load_spec(args.spec).spec, inputs, args.gate)
+    rec = rg.Recurrence(spec)
+    xs = [mx.array(x).astype(dtype) for x in inputs]
 
     def call(*a):
         return rec(*a, backend=args.backend, schedule=args.schedule)
@@ -132,6 +133,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     call_arguments(p)
     p.add_argument("--warmups", type=int, default=2)
+    p.add_argument("--gate", choices=("linear", "log"), default="linear",
+                   help="GLA's gate as the bundled spec takes it, or in log space (ops.gla_g)")
     p.add_argument("--split", metavar="CSV", help="sum the kernels of ncu's CSV by phase")
     p.add_argument("--top", type=int, default=25, help="kernels listed per phase")
     p.add_argument("--peer", default=None,

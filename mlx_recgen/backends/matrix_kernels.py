@@ -23,7 +23,10 @@ differentiates it; the core's VJP is
   gradients kernel adds the products up and sums the rows that carry the cotangents of
   ``exp(R)`` and ``exp(Λ_C - Λ)``, which MLX's VJP takes back onto ``log d`` through their
   sums, as that of ``exp(Λ_C)``. The one kernel forms the same sums from the scores it keeps
-  in group memory (``render/matrix.py``); MLX's VJP of the exponentials is shared.
+  in group memory (``render/matrix.py``) and takes them onto ``log d`` itself: a step's
+  cotangent through ``exp(R_t)`` is a sum over the rows after it, through ``exp(Λ_C - Λ_t)``
+  over the rows before, and every step has the chunk's through ``exp(Λ_C)``; no pass of MLX's
+  follows it.
 
 Its forward-mode rule differentiates the same chunk form in MLX ops (``core_in_ops``); a
 second derivative and ``mx.vmap`` raise (the kernels have neither).
@@ -168,7 +171,7 @@ class MatrixKernels:
         elif kind == "chunk_gradients":
             body = r.chunk_gradients()
             ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving"]
-            outs = ["dc", "da", "db", "row_c", "row_a", "whole", "d_log_d"]
+            outs = ["dc", "da", "db", "d_log_d"]
         elif kind in WALK_KINDS:
             body = r.walk(reverse=kind == "adjoint_walk", tile=_walk_tile(dialect, halves))
             ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
@@ -190,9 +193,9 @@ class MatrixKernels:
                              header=header, **launch)
 
     def _kernel(self, shape, kind, inputs=(), outputs=()):
-        """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads) and the dtypes
-        of its first ``outputs`` (the gradients it writes, else fp32), either of which may be in
-        half precision (``_halves``)."""
+        """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads, and the states
+        where it reads them) and the dtypes of its first ``outputs`` (the gradients or the
+        states it writes, else fp32), any of which may be in half precision (``_halves``)."""
         halves = _halves([x.dtype for x in inputs]) + _halves(outputs, "o")
 
         def build():
@@ -213,6 +216,17 @@ class MatrixKernels:
         return (WALKS.get(b, False), WALK_GROUPS, OUTPUTS_BY_MATMULS.get(b, False),
                 GRADIENTS_BY_MATMULS.get(b, False))
 
+    def states_dtype(self, shape, x, y) -> mx.Dtype:
+        """The dtype of the states entering the chunks (the adjoint's: the gradients leaving
+        them) that ``states`` returns for factors ``x``, ``y``: their half type where the walk
+        multiplies them as they are (``Dialect.half_tiles``), as FLA's kernels keep their
+        chunks' states in bf16 (each stored rounded; the walk carries its state in fp32); fp32
+        elsewhere. The final state is fp32 either way."""
+        if not self.walk(shape, math.prod(x.shape[:-2])):
+            return mx.float32
+        halves = _halves([x.dtype, y.dtype])
+        return x.dtype if _walk_tile(self.dialect, halves) != "float" else mx.float32
+
     # -- launches --------------------------------------------------------------------------------
     def walk(self, shape, instances) -> bool:
         """Whether the states pass through the chunks in the walk kernel for ``instances``
@@ -227,17 +241,20 @@ class MatrixKernels:
         decay's ``±1`` per step, for a shape that is ``signed`` (else None). One walk through
         the chunks where ``walk`` says so; else two launches, every chunk's state from zero at
         once, then the chain through the chunks."""
+        x, y = _one_batch(x, y)
         T, K = x.shape[-2:]
         I, V = math.prod(x.shape[:-2]), y.shape[-1]
         nc = -(-T // shape.C)
         if self.walk(shape, I):
             threads = group_threads("walk")
-            return self._kernel(shape, "adjoint_walk" if reverse else "walk", (x, y))(
+            states = self.states_dtype(shape, x, y)
+            return self._kernel(shape, "adjoint_walk" if reverse else "walk", (x, y), (states,))(
                 # the initial state read row-contiguous (the walk reads x and y where they lie)
                 inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init)],
                 grid=(I * _tile_count(K, V, shape.walk_tiles) * threads, 1, 1),
                 threadgroup=(threads, 1, 1),
-                output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32] * 2)
+                output_shapes=[(I, nc, K, V), (I, K, V)],
+                output_dtypes=[states, mx.float32])
         tiles = _tile_count(K, V, shape.state_tiles)
         local, decay = self._kernel(shape, "adjoint" if reverse else "states", (x, y))(
             inputs=[x, y, log_d, *_signs(sign)],
@@ -256,6 +273,7 @@ class MatrixKernels:
         shape, not as instances: the readouts' cotangent then reaches the backward's kernels
         as the caller's layout gives it, read where it lies (a reshape to instances would copy
         a transposed cotangent first)."""
+        c, a, b = _one_batch(c, a, b)
         T, V = c.shape[-2], b.shape[-1]
         readouts = (*c.shape[:-2], T, V)
         if OUTPUTS_BY_MATMULS.get(self.backend, False):
@@ -263,7 +281,8 @@ class MatrixKernels:
                                             starts).astype(out).reshape(readouts)
         nc = -(-T // shape.C)
         groups = math.prod(c.shape[:-2]) * nc * -(-V // shape.VT)
-        return self._kernel(shape, "outputs", (c, a, b), (out,))(
+        # the states among the inputs named by dtype: the same text reads floats or halves
+        return self._kernel(shape, "outputs", (c, a, b, starts), (out,))(
             inputs=[c, a, b, log_d, *_signs(sign), starts],
             grid=(groups * group_threads("outputs"), 1, 1),
             threadgroup=(group_threads("outputs"), 1, 1),
@@ -298,21 +317,21 @@ class MatrixKernels:
 
     def chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving, grads=None):
         """The chunks' backward in one kernel: ``(dc, da, db)`` ``(I, T, X)`` (in the dtypes
-        ``grads``, fp32 by default), the rows' sums
-        that carry the cotangents of ``exp(R)`` and ``exp(Λ_C - Λ)`` (``Σ_k c (dy Sᵀ)``,
-        ``Σ_k a (b Gᵀ)``, ``(I, T)``), each chunk's ``Σ S ∘ G`` (that of ``exp(Λ_C)``,
-        ``(I, nc)``) and the cotangent of ``log d`` through the causal weights ``(I, T)``;
-        ``c``, ``a``, ``b``, ``dy`` are ``(*batch, T, X)`` at any strides."""
+        ``grads``, fp32 by default) and the cotangent of ``log d`` ``(I, T)``, all of it:
+        through the causal weights, the rows' exponentials ``exp(R)`` and ``exp(Λ_C - Λ)`` and
+        each chunk's whole decay (what ``_through_exponentials`` takes in MLX ops on the other
+        path); ``c``, ``a``, ``b``, ``dy`` are ``(*batch, T, X)`` at any strides."""
+        c, a, b, dy = _one_batch(c, a, b, dy)
         T, K = c.shape[-2:]
         I, V = math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
         threads = group_threads("chunk_gradients")
         grads = list(grads or _FP32_GRADS)
-        return self._kernel(shape, "chunk_gradients", (c, a, b, dy), grads)(
+        return self._kernel(shape, "chunk_gradients", (c, a, b, dy, starts, leaving), grads)(
             inputs=[c, a, b, dy, log_d, *_signs(sign), starts, leaving],
             grid=(I * nc * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T), (I, T), (I, nc), (I, T)],
-            output_dtypes=grads + [mx.float32] * 4)
+            output_shapes=[(I, T, K), (I, T, K), (I, T, V), (I, T)],
+            output_dtypes=grads + [mx.float32])
 
     def gradients(self, shape, cc, ac, dy_S, dW_a, dW_c, b_G, a_G, W_dy, e_row, e_end):
         """``(dc, da, db, Σ_k c dy_S, Σ_k a b_G)`` by chunk from the products (``(I, nc, C, X)``)
@@ -421,8 +440,8 @@ class MatrixKernels:
                                                             log_d, signs, starts, leaving)
                 dc, da, db = (g.astype(d) for g, d in zip((dc, da, db), grads))
             else:
-                dc, da, db, d_log_d = self._chunk_gradients_in_one(shape, c, a, b, log_d, signs,
-                                                                   dy, starts, leaving, grads)
+                dc, da, db, d_log_d = self.chunk_gradients(shape, c, a, b, dy, log_d, signs,
+                                                           starts, leaving, grads)
             # fp32 gradients unless ``grads`` says otherwise: a factor given in half precision
             # whose input has other uses gets them summed before one rounding
             # (``mlx_matrix.read_as_given``)
@@ -446,26 +465,14 @@ class MatrixKernels:
 
             def values(c, a, b, log_d, init):
                 y, last, starts = core_in_ops(shape, *_instances(c, a, b), log_d, sign, init)
-                return y.astype(out).reshape(*c.shape[:-1], y.shape[-1]), last, starts
+                return (y.astype(out).reshape(*c.shape[:-1], y.shape[-1]), last,
+                        starts.astype(self.states_dtype(shape, a, b)))
 
             return mx.jvp(values, [primals[i] for i in moving],
                           [mx.zeros_like(primals[i]) if tangents[i] is None else tangents[i]
                            for i in moving])[1]
 
         return core
-
-    def _chunk_gradients_in_one(self, shape, c, a, b, log_d, sign, dy, starts, leaving,
-                                grads=None):
-        """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk,
-        the chunk-gradients kernel's (``dc, da, db`` in the dtypes ``grads``); MLX takes the
-        exponentials' cotangents onto ``log d``."""
-        dc, da, db, row_c, row_a, whole, d_log_d = self.chunk_gradients(
-            shape, c, a, b, dy, log_d, sign, starts, leaving, grads)
-        chunks = MatrixChunks(log_d.shape[-1], shape.C, 1)
-        d_lam = _through_exponentials(shape, chunks, log_d, sign,
-                                      *(chunks.cut(x[..., None]) for x in (row_c, row_a)),
-                                      whole[..., None, None])
-        return dc, da, db, d_lam + d_log_d
 
     def _chunk_gradients(self, shape, c, a, b, dy, log_d, sign, starts, leaving):
         """``dc, da, db, dlog_d`` from the states entering and the gradients leaving each chunk
@@ -529,6 +536,15 @@ def _tile_count(K, V, tiles):
 
 def _tr(x):
     return mx.swapaxes(x, -1, -2)
+
+
+def _one_batch(*xs) -> list:
+    """``(*batch, T, X)`` inputs of a kernel that reads them where they lie, as views of one
+    batch shape (broadcast where they differ): the kernels find every input's offsets from the
+    first's batch digits (``matrix_strided.j2``)."""
+    batch = mx.broadcast_shapes(*(x.shape[:-2] for x in xs))
+    return [x if x.shape[:-2] == batch else mx.broadcast_to(x, (*batch, *x.shape[-2:]))
+            for x in xs]
 
 
 def _instances(*xs):
@@ -603,7 +619,9 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     ``DECAY_SCORE_KINDS``) as ``backend`` compiles it, MLX's generated signature included, for
     a state of ``state_size`` x ``lanes``; ``units``: the products on the matrix units, or exact
     on the scalar units (None: as a call would); ``factors``: the dtype of the factors the
-    kernel reads where they lie (``STRIDED`` kinds; half precision is widened on its way)."""
+    kernel reads where they lie (``STRIDED`` kinds; half precision is widened on its way), and
+    of what a call gives or takes with them in that precision (the readouts' cotangent, the
+    walk's states, gradients and readouts)."""
     from .mlx_source import cuda_source, metal_source
     from .kernels import _ArrayInfo
 
@@ -620,24 +638,32 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
                           diagonal)
     if shape is None:
         raise ValueError(f"no tiling of a {state_size} x {lanes} state fits group memory")
-    ins = MatrixKernels._text(kernels.dialect, shape, kind)[1]
-    read = [n for n in ins if n in _FACTORS] if kind in STRIDED else []
-    # gradients and readouts the kernel writes in the factors' dtype (``MatrixKernels.core``'s
+    _, ins, outs = MatrixKernels._text(kernels.dialect, shape, kind)[:3]
+    # the dtypes a call gives what a kernel may read or write in half precision: the factors
+    # and the readouts' cotangent, read where they lie; the states as the walk keeps them
+    # (``MatrixKernels.states_dtype``); the gradients and readouts it writes (``core``'s
     # ``grads`` and ``out``)
-    written = {"chunk_gradients": ["dc", "da", "db"], "outputs": ["out"]}.get(kind, [])
+    states = factors if _walk_tile(kernels.dialect, _halves([factors] * 2)) != "float" \
+        else mx.float32
+    given = {n: factors for n in ins if n in (*_FACTORS, "dy")} if kind in STRIDED else {}
+    if given:
+        given.update({n: states for n in ins if n in ("states", "starts", "leaving")})
+    made = {n: factors for n in {"chunk_gradients": ["dc", "da", "db"],
+                                 "outputs": ["out"]}.get(kind, [])}
+    if kind in WALK_KINDS:
+        made["states"] = states
     # the text and name a call gives it (a walk's tiles of halves where both factors are)
-    halves = _halves([factors] * len(read)) + _halves([factors] * len(written), "o") \
-        if read else ()
+    halves = _halves([given[n] for n in ins if n in given]) + \
+        _halves([made[n] for n in outs if n in made], "o")
     name, ins, outs, body, header = MatrixKernels._text(kernels.dialect, shape, kind, halves)
     ranks = {"dims": 1, "log_d": 2, "sign": 2, "decay": 2, "init": 3, "states": 4, "local": 4,
              "scores": 4, "d_scores": 4,
              **{n: 4 for n in ("dy_s", "dw_a", "dw_c", "b_g", "a_g", "w_dy", "e_row", "e_end",
                                "starts", "leaving")}}
-    dtypes = {n: factors for n in read}
-    infos = [_ArrayInfo(mx.int32 if n == "dims" else dtypes.get(n, mx.float32), ranks.get(n, 3))
+    infos = [_ArrayInfo(mx.int32 if n == "dims" else given.get(n, mx.float32), ranks.get(n, 3))
              for n in ins]
     return build(name, ins, outs, body, header, infos,
-                 [factors if n in written else mx.float32 for n in outs], [])[1]
+                 [made.get(n, mx.float32) for n in outs], [])[1]
 
 
 _FACTORS = ("c", "a", "b", "x", "y")  # the factors a kernel may take in half precision

@@ -42,9 +42,9 @@ class Dialect:
     matrix_prelude: str = ""
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
     # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
-    # recgen_copy4_to_group(dst, src, n): four floats, the first n of src (0 <= n <= 4) and
-    # zeros after, where recgen_aligned4(src) holds (four elements at once) and dst is 16-byte
-    # aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
+    # recgen_copy4_to_group(dst, src, n): four floats (or halves, widened), the first n of src
+    # (0 <= n <= 4) and zeros after, where recgen_aligned4(src) holds (four elements at once)
+    # and dst is 16-byte aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
     # src floats or halves (widened on the way), every fetch of a pass before its puts;
     # recgen_load4(p) and recgen_store4(p, x): four floats of group or device memory at p,
     # 16-byte aligned (a store to device memory of halves rounds them, 8-byte aligned);
@@ -273,6 +273,28 @@ __device__ inline unsigned recgen_tf32(float x) {
 __device__ inline int recgen_at(int ld, bool tr, int r, int c) {
   return tr ? c * ld + r : r * ld + c;
 }
+// a strip's accumulators, NB tiles of 16 x 8 side by side: lane (g, t) holds D's rows g, g + 8,
+// columns 2t, 2t + 1 of each (d: D at (g, 2t) of the first); zeros unless ACC adds to D
+template <int NB, bool ACC>
+__device__ inline void recgen_accumulators(float (&c)[NB][4], const float* d, int ldd) {
+#pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    c[n][0] = ACC ? d[8 * n] : 0.0f;
+    c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
+    c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
+    c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
+  }
+}
+template <int NB>
+__device__ inline void recgen_store_accumulators(float* d, int ldd, const float (&c)[NB][4]) {
+#pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    d[8 * n] = c[n][0];
+    d[8 * n + 1] = c[n][1];
+    d[8 * ldd + 8 * n] = c[n][2];
+    d[8 * ldd + 8 * n + 1] = c[n][3];
+  }
+}
 // D (M x N) = [D +] op(A) (M x K) op(B) (K x N), every array in shared memory (row-major,
 // leading dimensions lda, ldb, ldd; op transposes where TA / TB), called by all ``threads`` of
 // the block (``tid``: this one): strips of 16 x 8 tiles of D dealt to the warps in turn, each a chain of mma.sync m16n8k8 over K on the tensor cores, operands in TF32
@@ -298,13 +320,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
     const float* b = B + recgen_at(ldb, TB, t, j0 + g);
     float* d = D + (i + g) * ldd + j0 + 2 * t;
     float c[NB][4];
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      c[n][0] = ACC ? d[8 * n] : 0.0f;
-      c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
-      c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
-      c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
-    }
+    recgen_accumulators<NB, ACC>(c, d, ldd);
 #pragma unroll
     for (int k = 0; k < K; k += 8) {
       const unsigned a0 = recgen_tf32(a[recgen_at(lda, TA, 0, k)]);
@@ -322,13 +338,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const float* A, int lda, con
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
       }
     }
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      d[8 * n] = c[n][0];
-      d[8 * n + 1] = c[n][1];
-      d[8 * ldd + 8 * n] = c[n][2];
-      d[8 * ldd + 8 * n + 1] = c[n][3];
-    }
+    recgen_store_accumulators<NB>(d, ldd, c);
   }
 }
 // The same product on half-precision operands (bf16 or fp16 in shared memory, fp32 D): a
@@ -389,13 +399,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const Half* A, int lda, cons
     const int i = int(strip / STRIPS) * 16, j0 = int(strip % STRIPS) * 8 * NB;
     float* d = D + (i + g) * ldd + j0 + 2 * t;
     float c[NB][4];
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      c[n][0] = ACC ? d[8 * n] : 0.0f;
-      c[n][1] = ACC ? d[8 * n + 1] : 0.0f;
-      c[n][2] = ACC ? d[8 * ldd + 8 * n] : 0.0f;
-      c[n][3] = ACC ? d[8 * ldd + 8 * n + 1] : 0.0f;
-    }
+    recgen_accumulators<NB, ACC>(c, d, ldd);
     // this lane's row of op(A)'s block (rows +8 (mat & 1), columns +8 (mat >> 1)) at k = 0, as
     // stored: a row of A, or of Aᵀ where op transposes (then loaded transposed)
     const Half* a = TA ? A + (8 * (mat >> 1) + row) * lda + i + 8 * (mat & 1)
@@ -415,13 +419,7 @@ __device__ inline void recgen_mm(float* D, int ldd, const Half* A, int lda, cons
         recgen_mma16(c[n], af, bf, A);
       }
     }
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      d[8 * n] = c[n][0];
-      d[8 * n + 1] = c[n][1];
-      d[8 * ldd + 8 * n] = c[n][2];
-      d[8 * ldd + 8 * n + 1] = c[n][3];
-    }
+    recgen_store_accumulators<NB>(d, ldd, c);
   }
 }
 """,
@@ -484,6 +482,11 @@ __device__ inline void recgen_put4(float* dst, recgen_halves4<Half> x) {
 template <typename Half>
 __device__ inline void recgen_copy_to_group(float* dst, const Half* src, bool ok) {
   *dst = ok ? float(*src) : 0.0f;
+}
+// four halves of a state's row into a tile of floats, widened (src 8-byte aligned)
+template <typename Half>
+__device__ inline void recgen_copy4_to_group(float* dst, const Half* src, int n) {
+  recgen_put4(dst, recgen_fetch4(dst, src, n));
 }
 // Halves into a tile of halves (the walks' operands where both factors are halves of one
 // kind, ``Dialect.half_tiles``): bytes, so cp.async lands them by itself; 8 bytes for four
