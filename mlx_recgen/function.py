@@ -586,24 +586,35 @@ def device_key() -> str:
     return text
 
 
-_ZERO = {}  # device key -> an evaluated fp32 zero (``zero_state``)
+# (device key, trailing shape) -> an evaluated fp32 zero (``zero_state``), the most recent kept
+_ZERO = LRU(16)
+# The fewest elements of a kept zero: MLX's CUDA backend serves arrays of at most 8 bytes from a
+# pool of managed memory, which the host's small writes share, so a kernel that reads a 0-d
+# zero may wait on the page coming back to the device
+ZERO_KEPT_MIN = 4
 
 
 def zero_state(shape) -> mx.array:
     """A zero initial state of ``shape`` (fp32): filled where it has at most
-    ``ZEROS_KEPT_MAX`` elements, else a broadcast view of one zero evaluated once per device
-    and kept. A kernel that reads it makes it contiguous by a copy, which on MLX's CUDA backend
-    takes less than a fill (GLA's 2 MB of states at B8 H16 64 x 64 on an H200: 11.6 against
-    17.7 µs, benchmarks/results/bench-matrix-half-walk-H200-2026-11-28.md)."""
+    ``ZEROS_KEPT_MAX`` elements, else a broadcast view of a zero of its fewest trailing axes that
+    hold ``ZERO_KEPT_MIN`` elements (device memory, not the small arrays' pool; a 0-d zero
+    where those are more than ``ZEROS_KEPT_MAX``) evaluated once per device and kept. A kernel that reads it makes it contiguous by a copy, which on MLX's CUDA
+    backend takes less than a fill (GLA's 2 MB of states at B8 H16 64 x 64 on an H200, from a
+    0-d zero: 11.6 against 17.7 µs, benchmarks/results/bench-matrix-half-walk-H200-2026-11-28.md)."""
     if math.prod(shape) <= ZEROS_KEPT_MAX:
         return mx.zeros(shape, dtype=mx.float32)
-    key = device_key()
-    zero = _ZERO.get(key)
-    if zero is None:
-        zero = mx.zeros((), dtype=mx.float32)
-        mx.eval(zero)
-        zero = _ZERO.setdefault(key, zero)
+    tail = len(shape) - 1
+    while tail > 0 and math.prod(shape[tail:]) < ZERO_KEPT_MIN:
+        tail -= 1
+    trailing = tuple(shape[tail:]) if math.prod(shape[tail:]) <= ZEROS_KEPT_MAX else ()
+    zero = _ZERO.get_or_build((device_key(), trailing), lambda: _evaluated_zeros(trailing))
     return mx.broadcast_to(zero, shape)
+
+
+def _evaluated_zeros(shape) -> mx.array:
+    zero = mx.zeros(shape, dtype=mx.float32)
+    mx.eval(zero)
+    return zero
 
 
 def _kept_zeros(states) -> tuple:

@@ -47,6 +47,10 @@ from .functions import sigmoid, softplus
 from .ir import StepIR
 from .spec import Slot
 
+# log |d| is floored here by every reader of it (a zero multiplier's -inf would give -inf - -inf
+# in the chunks' differences of running sums): exp(-100) ~ 4e-44, a multiplier this small or
+# zero erases the state anyway. A floored step's log d has no cotangent, as MLX's maximum gives
+LOG_FLOOR = -100.0
 
 @dataclass(frozen=True)
 class MatrixState:

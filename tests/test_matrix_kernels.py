@@ -517,6 +517,50 @@ def test_cuda_tiles_beyond_declared_memory_are_sized_at_launch():
     assert mk.tiles(64, 64, 64, none) is None
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_log_decays_at_and_below_the_floor(backend, readouts, states_path, kernel_calls):
+    """The kernels floor log d as they read it (``matrix.LOG_FLOOR``): GLA with its gate in
+    log space (``ops.gla_g``) where some gates are -inf (a zero multiplier), far below the
+    floor or just either side of it, read as the caller's (B, T, H) layout gives them. Outputs,
+    final state and every gradient are finite and match the loop's (``gla_ref`` on ``exp(g)``),
+    the gate's gradient none where it was floored (the loop's: exp(g) times a finite sum, 0 or
+    1e-44)."""
+    from mlx_recgen import ops
+
+    rec = rg.Recurrence(ops.gla_g.spec)
+    B, T, H, K, V = 2, 40, 2, 8, 8
+    mx.random.seed(11)
+    q, k = (mx.random.normal((B, T, H, K)) * K ** -0.5 for _ in range(2))
+    v = mx.random.normal((B, T, H, V))
+    g = mx.random.uniform(-1.0, 0.0, (B, T, H))
+    steps = mx.arange(T)[None, :, None]
+    for t, value in ((3, -float("inf")), (17, -150.0), (20, -100.5), (33, -99.5)):
+        g = mx.where(steps == t, value, g)
+    S0 = mx.random.normal((B, H, K, V))
+    cotangent = mx.random.normal((B, T, H, V))
+
+    def ours(q, k, v, g, S0):
+        return rec(q, k, v, g, initial_state=S0, return_state=True, backend=backend,
+                   schedule="matrix", seg=16)
+
+    def loop(q, k, v, g, S0):
+        return gla_ref(q, k, v, mx.exp(g), S0)
+
+    def loss(f):
+        return lambda *xs: mx.sum(f(*xs)[0] * cotangent) + mx.sum(f(*xs)[1] ** 2)
+
+    xs = [q, k, v, g, S0]
+    got, want = ours(*xs), loop(*xs)
+    grads = mx.grad(loss(ours), argnums=tuple(range(5)))(*xs)
+    wanted = mx.grad(loss(loop), argnums=tuple(range(5)))(*xs)
+    for x, y in [*zip(got, want), *zip(grads, wanted)]:
+        assert mx.all(mx.isfinite(x)).item()
+        assert rel_err(x, y) < _tol(backend)
+    # a floored step's log d has no cotangent (as MLX's maximum gives), exactly
+    assert mx.all(grads[3][:, mx.array([3, 17, 20])] == 0).item()
+    assert kernel_calls
+
+
 def test_the_kernels_read_factors_where_they_lie(states_path):
     """The states (or walk), outputs and chunk-gradients kernels take ``c``, ``a``, ``b`` as
     ``(*batch, T, X)`` views at any strides (``matrix_kernels.STRIDED``): transposed from the

@@ -3,8 +3,9 @@
 For a state of the matrix form (``matrix.analyse``) with a scalar decay, one added term and one
 readout, ``MatrixKernels.core`` is an MLX custom function of that state's per-step factors,
 ``(*batch, T, K)`` arrays ``c`` and ``a`` and ``(*batch, T, V)`` ``b`` at any strides (the
-``I`` instances run over the batch axes; ``STRIDED``), ``(I, T)`` ``log |d|`` and sign of
-``d`` (``±1``) and the initial state ``(I, K, V)``, giving the readouts
+``I`` instances run over the batch axes; ``STRIDED``), ``log |d|`` (``(*batch, T)`` at any
+strides or ``(I, T)``; the kernels floor it as they read it, ``matrix.LOG_FLOOR``), the sign of
+``d`` (``±1``, ``(I, T)``) and the initial state ``(I, K, V)``, giving the readouts
 ``y[t] = c[t] · S[t-1]`` (``· d_t S[t-1]`` for a ``decayed`` readout, ``· S[t]`` for a
 ``diagonal`` one), the final state and the state entering every chunk. Everything else — the
 factors from the inputs, the per-step outputs from the readouts — stays MLX ops, so MLX
@@ -47,6 +48,7 @@ import os
 import mlx.core as mx
 
 from ..function import first_order_only, opaque
+from ..matrix import LOG_FLOOR
 from ..memo import LRU
 from ..render.dialects import DIALECTS
 from ..render.matrix import (DECAY_SCORE_KINDS, THREADS, WALK_KINDS, MatrixKernelShape,
@@ -245,6 +247,7 @@ class MatrixKernels:
         T, K = x.shape[-2:]
         I, V = math.prod(x.shape[:-2]), y.shape[-1]
         nc = -(-T // shape.C)
+        log_d = _per_step(log_d, x)
         if self.walk(shape, I):
             threads = group_threads("walk")
             states = self.states_dtype(shape, x, y)
@@ -277,8 +280,9 @@ class MatrixKernels:
         T, V = c.shape[-2], b.shape[-1]
         readouts = (*c.shape[:-2], T, V)
         if OUTPUTS_BY_MATMULS.get(self.backend, False):
-            return self._outputs_by_matmuls(shape, *_instances(c, a, b), log_d, sign,
-                                            starts).astype(out).reshape(readouts)
+            return self._outputs_by_matmuls(shape, *_instances(c, a, b), _floored(log_d, T),
+                                            sign, starts).astype(out).reshape(readouts)
+        log_d = _per_step(log_d, c)
         nc = -(-T // shape.C)
         groups = math.prod(c.shape[:-2]) * nc * -(-V // shape.VT)
         # the states among the inputs named by dtype: the same text reads floats or halves
@@ -325,6 +329,7 @@ class MatrixKernels:
         T, K = c.shape[-2:]
         I, V = math.prod(c.shape[:-2]), b.shape[-1]
         nc = -(-T // shape.C)
+        log_d = _per_step(log_d, c)
         threads = group_threads("chunk_gradients")
         grads = list(grads or _FP32_GRADS)
         return self._kernel(shape, "chunk_gradients", (c, a, b, dy, starts, leaving), grads)(
@@ -436,17 +441,21 @@ class MatrixKernels:
             signs = sign if shape.signed else None
             leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last, reverse=True)
             if shape.gradient_tiles is None or GRADIENTS_BY_MATMULS.get(self.backend, False):
+                T = c.shape[-2]
                 dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b, dy),
-                                                            log_d, signs, starts, leaving)
+                                                            _floored(log_d, T), signs, starts,
+                                                            leaving)
                 dc, da, db = (g.astype(d) for g, d in zip((dc, da, db), grads))
+                # none where log d was floored, as the kernel gives
+                d_log_d = mx.where(log_d.reshape(-1, T) > LOG_FLOOR, d_log_d, 0.0)
             else:
                 dc, da, db, d_log_d = self.chunk_gradients(shape, c, a, b, dy, log_d, signs,
                                                            starts, leaving, grads)
             # fp32 gradients unless ``grads`` says otherwise: a factor given in half precision
             # whose input has other uses gets them summed before one rounding
             # (``mlx_matrix.read_as_given``)
-            return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape), d_log_d,
-                    mx.zeros_like(sign), d_init)
+            return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape),
+                    d_log_d.reshape(log_d.shape), mx.zeros_like(sign), d_init)
 
         # the kernels in the VJP have no derivatives: a second derivative raises
         backward = first_order_only(backward, self.backend)
@@ -503,7 +512,7 @@ def core_in_ops(shape, c, a, b, log_d, sign, init):
     ``carry``). The core's forward-mode rule differentiates it; its VJP is the kernels'."""
     chunks = MatrixChunks(c.shape[1], shape.C, 1)
     cc, ac, bc = (chunks.cut(x) for x in (c, a, b))
-    lam = chunks.cut(log_d[..., None])  # (I, nc, C, 1)
+    lam = chunks.cut(_floored(log_d, c.shape[1])[..., None])  # (I, nc, C, 1)
     e_row, e_end, _ = _exponentials(lam, shape.inclusive)
     # M[t, j] = exp(R_t - Λ_j): the range (j, t), or (j, t] for a readout with its step's decay
     M = causal_weights(lam)[..., 0] * (mx.exp(lam) if shape.inclusive else 1.0)
@@ -545,6 +554,22 @@ def _one_batch(*xs) -> list:
     batch = mx.broadcast_shapes(*(x.shape[:-2] for x in xs))
     return [x if x.shape[:-2] == batch else mx.broadcast_to(x, (*batch, *x.shape[-2:]))
             for x in xs]
+
+
+def _per_step(log_d, x):
+    """``log d`` (``(I, T)``, or ``(*batch, T)`` at any strides, ``x``'s batch shape or one
+    that broadcasts to it) as the ``(*batch, T, 1)`` view a kernel reads where it lies
+    (``matrix_strided.j2``'s ``per_step``), no copy where ``(I, T)`` is contiguous."""
+    batch, T = x.shape[:-2], x.shape[-2]
+    if log_d.ndim == len(batch) + 1:
+        return mx.broadcast_to(log_d, (*batch, T))[..., None]
+    return log_d.reshape(*batch, T)[..., None]
+
+
+def _floored(log_d, T):
+    """``log d`` as ``(I, T)``, floored as the kernels floor it as they read it (for the chunk
+    form in MLX ops)."""
+    return mx.maximum(log_d.reshape(-1, T), LOG_FLOOR)
 
 
 def _instances(*xs):

@@ -45,6 +45,7 @@ import sympy
 from ..function import COMPILED_BACKENDS
 from ..ir import Accumulate, Loop, Program, Store
 from ..layout import expand_groups, expanded, from_canonical, spread, to_canonical
+from ..matrix import LOG_FLOOR
 from ..memo import LRU
 from ..render.matrix import decay_score_chunk
 from ..render.mlx_ops import render_mlx
@@ -55,7 +56,6 @@ from .matrix_kernels import kernel_chunk, kernel_flags, matrix_kernels
 from .mlx_blocks import Block
 from .mlx_ops import COMPILED_SIZES, SequentialForm
 
-LOG_FLOOR = -100.0  # exp(-100) ~ 4e-44: a multiplier this small or zero erases the state
 SUB = 16  # the sub-chunk of vector decays: [SUB, SUB, K] weights per sub-chunk
 
 
@@ -654,12 +654,12 @@ class MatrixForm(SequentialForm):
         grads = [half[k].dtype if k in half and k in self.alone and self.level[k] is None
                  else mx.float32 for k in keys]
         core = self.kernels.core(shape, grads, out)
-        log_d = mx.maximum(f[("log_decay", s, None, None)], LOG_FLOOR)
-        T = log_d.shape[-2]
-        # the factors as (*batch, T, X) views, read where they lie (``matrix_kernels.STRIDED``)
+        T = f[("log_decay", s, None, None)].shape[-2]
+        # the factors and log d as (*batch, T, X) and (*batch, T) views, read where they lie
+        # (``matrix_kernels.STRIDED``; the kernels floor log d as they read it)
         lead = lambda x: mx.broadcast_to(x, (*batch, T, x.shape[-1]))
         flat = lambda x: mx.contiguous(lead(x)).reshape(-1, T, x.shape[-1])
-        log_d = flat(log_d)[..., 0]
+        log_d = lead(f[("log_decay", s, None, None)])[..., 0]
         # the core reads the sign for a signed shape only; a constant stands in otherwise (not
         # log d: its zero cotangent would be filled and added to log d's); a zero multiplier
         # counts as positive: its floored log erases the state anyway. Piecewise constant, the

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..matrix import LOG_FLOOR
 from .kernels import environment
 
 THREADS = 128  # four simdgroups / warps per threadgroup
@@ -340,7 +341,8 @@ def decay_scores_text(dialect, kind: str, C: int, K: int) -> tuple:
     if kind not in DECAY_SCORE_KINDS or KB is None:
         raise ValueError(f"no {kind!r} kernel for chunks of {C} steps on {dialect.name}")
     ctx = dict(d=dialect, kind=kind, C=C, K=K, KB=KB, NT=decay_score_threads(kind, C, KB),
-               i64=dialect.int64, products=False, bounds="", adjoint=kind.endswith("adjoint"))
+               i64=dialect.int64, products=False, bounds="", adjoint=kind.endswith("adjoint"),
+               log_floor=None)  # its exponents come floored (mlx_matrix.py)
     env = environment()
     return (env.get_template("matrix_header.j2").render(**ctx),
             env.get_template("matrix_decay_scores.j2").render(**ctx))
@@ -393,6 +395,7 @@ class MatrixRenderer:
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients",
                                       *WALK_KINDS),
                     sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
+                    log_floor=f"{LOG_FLOOR!r}f" if kind in (*_CHUNK_SUMS, *WALK_KINDS) else None,
                     NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
                     diagonal=s.diagonal,  # the causal weights' columns j of row t, and the others
