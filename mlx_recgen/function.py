@@ -597,10 +597,12 @@ ZERO_KEPT_MIN = 4
 def zero_state(shape) -> mx.array:
     """A zero initial state of ``shape`` (fp32): filled where it has at most
     ``ZEROS_KEPT_MAX`` elements, else a broadcast view of a zero of its fewest trailing axes that
-    hold ``ZERO_KEPT_MIN`` elements (device memory, not the small arrays' pool; a 0-d zero
-    where those are more than ``ZEROS_KEPT_MAX``) evaluated once per device and kept. A kernel that reads it makes it contiguous by a copy, which on MLX's CUDA
-    backend takes less than a fill (GLA's 2 MB of states at B8 H16 64 x 64 on an H200, from a
-    0-d zero: 11.6 against 17.7 µs, benchmarks/results/bench-matrix-half-walk-H200-2026-11-28.md)."""
+    hold ``ZERO_KEPT_MIN`` elements (device memory, not the small arrays' pool; a 0-d zero where
+    those are more than ``ZEROS_KEPT_MAX``), evaluated once per device and kept. A kernel that
+    reads it makes it contiguous by a copy, which on MLX's CUDA backend takes less than a fill:
+    GLA's 2 MB of states at B8 H16 64 x 64 on an H200, 3.5-3.9 µs from a kept ``(64,)`` zero,
+    11.6-16.1 from a 0-d one, 17.7 filled
+    (benchmarks/results/bench-matrix-floor-in-kernels-H200-2026-11-28.md)."""
     if math.prod(shape) <= ZEROS_KEPT_MAX:
         return mx.zeros(shape, dtype=mx.float32)
     tail = len(shape) - 1

@@ -52,6 +52,7 @@ from .spec import Slot
 # zero erases the state anyway. A floored step's log d has no cotangent, as MLX's maximum gives
 LOG_FLOOR = -100.0
 
+
 @dataclass(frozen=True)
 class MatrixState:
     """One state of the matrix form: ``S' = d ⊙ S + Σ_r a_r ⊗ b_r``.
