@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import mlx.core as mx
 
@@ -151,7 +152,7 @@ class MatrixKernels:
         ``halves``: the inputs given in half precision (``_halves``); the text is the same for
         every dtype (the copies into group memory widen halves), the name is not, except a
         walk's whose factors are both halves of one kind where the dialect multiplies them as
-        they are (``_walk_tile``)."""
+        they are (``_tile``)."""
         if kind not in KERNELS:
             raise ValueError(f"the matrix schedule's kernels are {KERNELS}, got {kind!r}")
         r = MatrixRenderer(dialect, shape)
@@ -171,11 +172,11 @@ class MatrixKernels:
                    "dims"]
             outs = ["dc", "da", "db", "row_c", "row_a"]
         elif kind == "chunk_gradients":
-            body = r.chunk_gradients()
-            ins = ["c", "a", "b", "dy", "log_d", *signs, "starts", "leaving"]
+            body = r.chunk_gradients(_tile(dialect, shape, kind, halves))
+            ins = GRADIENT_INPUTS[:4] + ["log_d", *signs] + GRADIENT_INPUTS[4:]
             outs = ["dc", "da", "db", "d_log_d"]
         elif kind in WALK_KINDS:
-            body = r.walk(reverse=kind == "adjoint_walk", tile=_walk_tile(dialect, halves))
+            body = r.walk(reverse=kind == "adjoint_walk", tile=_tile(dialect, shape, kind, halves))
             ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
@@ -183,7 +184,7 @@ class MatrixKernels:
         else:
             body = r.states(reverse=kind == "adjoint")
             ins, outs = ["x", "y", "log_d", *signs], ["local", "decay"]
-        header = r.header(kind)
+        header = r.header(kind, _tile(dialect, shape, kind, halves))
         return _named(kind, halves, header, body, ins, outs), ins, outs, body, header
 
     def _make(self, text, **launch):
@@ -201,7 +202,8 @@ class MatrixKernels:
         halves = _halves([x.dtype for x in inputs]) + _halves(outputs, "o")
 
         def build():
-            memory = MatrixRenderer(self.dialect, shape).memory(kind)
+            memory = MatrixRenderer(self.dialect, shape).memory(
+                kind, _tile(self.dialect, shape, kind, halves))
             # group memory beyond the declared arrays' limit is sized at launch (CUDA's dynamic
             # shared memory)
             launch = {"shared_memory": memory.bytes} if memory.dynamic else {}
@@ -227,7 +229,7 @@ class MatrixKernels:
         if not self.walk(shape, math.prod(x.shape[:-2])):
             return mx.float32
         halves = _halves([x.dtype, y.dtype])
-        return x.dtype if _walk_tile(self.dialect, halves) != "float" else mx.float32
+        return x.dtype if _half_tile(self.dialect, halves, (0, 1)) != "float" else mx.float32
 
     # -- launches --------------------------------------------------------------------------------
     def walk(self, shape, instances) -> bool:
@@ -589,13 +591,32 @@ def _named(kind, halves, header, body, ins, outs) -> str:
     return kernel_name("matrix", "_".join([kind, *halves]), header, body, ins, outs)
 
 
-def _walk_tile(dialect, halves) -> str:
-    """The element type of a walk's tiles of ``x`` and ``y``: their half type where the
-    dialect multiplies halves as they are (``half_tiles``) and both are halves of one kind,
+# The backward kernel's factors and states, which its tiles hold (``_tile``), in the order
+# ``_kernel`` is given them (its inputs put ``log_d`` and the signs between them)
+GRADIENT_INPUTS = ["c", "a", "b", "dy", "starts", "leaving"]
+
+
+def _tile(dialect, shape, kind, halves) -> str:
+    """The element type of the tiles ``kind``'s kernel multiplies, for its inputs in half
+    precision ``halves`` (``_halves``): a walk's tiles of ``x`` and ``y``, and the backward's of
+    its factors and states, hold halves where they all are halves of one kind that the dialect
+    multiplies as they are (``Dialect.half_tiles``; the backward's also where its group memory
+    fits them, ``MatrixRenderer.gradient_tile``); every other tile holds floats."""
+    if kind in WALK_KINDS:
+        return _half_tile(dialect, halves, (0, 1))
+    if kind == "chunk_gradients":
+        half = _half_tile(dialect, halves, range(len(GRADIENT_INPUTS)))
+        return MatrixRenderer(dialect, shape).gradient_tile(None if half == "float" else half)
+    return "float"
+
+
+def _half_tile(dialect, halves, positions) -> str:
+    """The dialect's tile type for the inputs at ``positions`` where all are in ``halves``
+    (``_halves``), halves of one kind the dialect multiplies as they are (``half_tiles``),
     else ``float``."""
-    factors = {h[0]: h[1:] for h in halves if h[0] in "01"}
-    kinds = set(factors.values())
-    if len(factors) < 2 or len(kinds) != 1:
+    given = dict(re.fullmatch(r"(\d+)(\D\w*)", h).groups() for h in halves if h[0] != "o")
+    kinds = {given.get(str(i)) for i in positions}
+    if len(kinds) != 1 or None in kinds:
         return "float"
     return dialect.half_tiles.get(kinds.pop(), "float")
 
@@ -668,7 +689,7 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     # and the readouts' cotangent, read where they lie; the states as the walk keeps them
     # (``MatrixKernels.states_dtype``); the gradients and readouts it writes (``core``'s
     # ``grads`` and ``out``)
-    states = factors if _walk_tile(kernels.dialect, _halves([factors] * 2)) != "float" \
+    states = factors if _half_tile(kernels.dialect, _halves([factors] * 2), (0, 1)) != "float" \
         else mx.float32
     given = {n: factors for n in ins if n in (*_FACTORS, "dy")} if kind in STRIDED else {}
     if given:

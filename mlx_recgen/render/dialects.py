@@ -500,6 +500,10 @@ __device__ inline recgen_copy_in_flight recgen_fetch4(Half* dst, const Half* src
 }
 template <typename Half>
 __device__ inline void recgen_put4(Half*, recgen_copy_in_flight) {}
+template <typename Half>  // four halves of a state's row into a tile of halves (src 8-byte aligned)
+__device__ inline void recgen_copy4_to_group(Half* dst, const Half* src, int n) {
+  recgen_fetch4(dst, src, n);
+}
 template <typename Half>
 __device__ inline void recgen_copy_to_group(Half* dst, const Half* src, bool ok) {
   *dst = ok ? *src : Half(0.0f);

@@ -117,6 +117,10 @@ _CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
 # The backward's tiles of K and V (``gradient_tiles``), largest first: its group memory holds
 # two [C, C] arrays beside two tiles of the chunk's rows, two of its states and two products
 GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (16, 16))
+# The pad of a row of a tile of halves (``Dialect.half_tiles``), in halves: the products load
+# such tiles eight rows at a time (ldmatrix), each row's 16 bytes from its own address, which
+# must be 16-byte aligned; rows an odd number of 16-byte words apart fall in distinct banks
+HALF_PAD = 8
 
 
 def group_threads(kind: str) -> int:
@@ -144,6 +148,7 @@ class GroupMemory:
 
     arrays: tuple
     dynamic: bool = False
+    halves: tuple = ()  # the arrays whose elements are the kernel's tile type (``tile``), not floats
 
     @property
     def bytes(self) -> int:
@@ -178,11 +183,51 @@ def _step_arrays(kind: str, C: int, signed: bool) -> list:
     return [(n, "C", C) for n in names] + spans
 
 
+def _halves_in_floats(n: int) -> int:
+    return -(-n // 2)
+
+
+# The arrays of the backward kernel that hold halves where it multiplies them as they are
+# (``gradient_arrays``)
+GRADIENT_HALVES = ("Wh", "dWh", "Xs", "Ys", "Ss", "Gs")
+
+
+def gradient_arrays(C: int, KT: int, VT: int, pads=(0, 0), half=False) -> list:
+    """The backward kernel's own arrays: the scores and their weights, two tiles of the chunk's
+    rows (``c`` and ``a``, or ``dy`` and ``b``), two of its states (``S`` and ``G``) and two
+    products. With ``half`` (its factors and states halves of a kind the dialect multiplies as
+    they are) the tiles of rows and states hold halves, and so do copies of the weighted
+    scores (``Wh``, ``dWh``), the operands of the products after them, rounded as FLA's
+    kernels round theirs; the scores are summed in floats. Each array's rows are padded:
+    ``pads[0]`` floats, ``HALF_PAD`` halves (``gradient_pads``)."""
+    wide, warps = max(KT, VT), group_threads("chunk_gradients") // 32
+    ldw, ldt, lds, ldp = gradient_pads(C, KT, VT, pads, half)
+    tiles = [("Xs", "C * LDT", C * ldt), ("Ys", "C * LDT", C * ldt),
+             ("Ss", "KT * LDS", KT * lds), ("Gs", "KT * LDS", KT * lds)]
+    if half:
+        tiles = [("Wh", "C * LDWH", C * (C + HALF_PAD)), ("dWh", "C * LDWH", C * (C + HALF_PAD))] \
+            + tiles
+        tiles = [(name, size, _halves_in_floats(n)) for name, size, n in tiles]
+    return [("W", "C * LDW", C * ldw), ("dW", "C * LDW", C * ldw), *tiles,
+            ("Pa", "C * LDP", C * ldp), ("Pb", "C * LDP", C * ldp),
+            ("sums", "WARPS * C", warps * C), ("warp_sums", "WARPS", warps)]
+
+
+def gradient_pads(C: int, KT: int, VT: int, pads=(0, 0), half=False) -> tuple:
+    """The backward kernel's row lengths ``(LDW, LDT, LDS, LDP)``: its scores', rows', states'
+    and products' (``pads`` as ``gradient_arrays``; every array a product's operand read
+    row-wise: the row pad). Tiles of halves pad by ``HALF_PAD``."""
+    rows, wide = pads[0], max(KT, VT)
+    pad = HALF_PAD if half else rows
+    return C + rows, wide + pad, VT + pad, wide + rows
+
+
 def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
-                 K: int = None) -> list:
+                 K: int = None, half=False) -> list:
     """The arrays ``kind``'s kernel keeps in group memory (``GroupMemory.arrays``), for tiles of
     ``KT x VT`` (the states kernels': their own ``state_tiles``) of a state of ``K`` rows (None:
-    more than one tile); ``pads``: ``Dialect.matrix_pads``."""
+    more than one tile); ``pads``: ``Dialect.matrix_pads``; ``half``: the backward's tiles of
+    halves (``gradient_arrays``)."""
     rows, cols = pads
     if kind in ("states", "adjoint"):
         own = [("X", "C * LDX", C * (KT + cols)), ("Y", "C * LDY", C * (VT + cols)),
@@ -202,14 +247,7 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
                ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", KT * (VT + cols))]
         own += [("Yt", "C * VT", C * VT)] if at is None else []
     elif kind == "chunk_gradients":
-        # the scores and their weights; two tiles of the chunk's rows (c and a, or dy and b),
-        # two of its states (S and G) and two products
-        wide, warps = max(KT, VT), group_threads(kind) // 32
-        own = [("W", "C * LDW", C * (C + rows)), ("dW", "C * LDW", C * (C + rows)),
-               ("Xs", "C * LDT", C * (wide + rows)), ("Ys", "C * LDT", C * (wide + rows)),
-               ("Ss", "KT * LDS", KT * (VT + rows)), ("Gs", "KT * LDS", KT * (VT + rows)),
-               ("Pa", "C * LDP", C * (wide + rows)), ("Pb", "C * LDP", C * (wide + rows)),
-               ("sums", "WARPS * C", warps * C), ("warp_sums", "WARPS", warps)]
+        own = gradient_arrays(C, KT, VT, pads, half)
     elif kind == "weights_adjoint":
         own = [("sums", "WARPS * C", (THREADS // 32) * C)]
     elif kind == "weights":
@@ -232,16 +270,18 @@ def _outputs_in_tiles(C: int, K, KT: int, VT: int, pads):
     return _aligned(max(C * (KT + rows), C * (VT + cols)))
 
 
-def group_memory(kind: str, C: int, KT: int, VT: int, dialect, signed=False, K: int = None):
-    """``kind``'s ``GroupMemory`` on ``dialect`` (a state of ``K`` rows, as ``group_arrays``),
-    or None where it fits neither the arrays the target lets a kernel declare nor its dynamic
-    group memory."""
-    arrays = tuple(group_arrays(kind, C, KT, VT, dialect.matrix_pads, signed, K))
-    memory = GroupMemory(arrays)
+def group_memory(kind: str, C: int, KT: int, VT: int, dialect, signed=False, K: int = None,
+                 half=False):
+    """``kind``'s ``GroupMemory`` on ``dialect`` (a state of ``K`` rows, as ``group_arrays``;
+    ``half``: the backward's tiles of halves), or None where it fits neither the arrays the
+    target lets a kernel declare nor its dynamic group memory."""
+    arrays = tuple(group_arrays(kind, C, KT, VT, dialect.matrix_pads, signed, K, half))
+    halves = GRADIENT_HALVES if half and kind == "chunk_gradients" else ()
+    memory = GroupMemory(arrays, halves=halves)
     if memory.bytes <= dialect.shared_bytes:
         return memory
     if memory.bytes <= dialect.dynamic_shared_bytes:
-        return GroupMemory(arrays, dynamic=True)
+        return GroupMemory(arrays, dynamic=True, halves=halves)
     return None
 
 
@@ -385,11 +425,12 @@ class MatrixRenderer:
         return s.state_tiles if kind in ("states", "adjoint", "chain", "adjoint_chain") \
             else (s.KT, s.VT)
 
-    def _context(self, kind: str) -> dict:
+    def _context(self, kind: str, tile: str = "float") -> dict:
         s, (rows, cols) = self.shape, self.d.matrix_pads
-        memory = self.memory(kind)
+        memory = self.memory(kind, tile)
         KT, VT = self._tiles(kind)
         warps = group_threads(kind) // 32
+        LDW, LDT, LDS, LDP = gradient_pads(s.C, KT, VT, self.d.matrix_pads, tile != "float")
         return dict(d=self.d, kind=kind, C=s.C,
                     vector_copies=kind in VECTOR_COPIES,
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients",
@@ -402,9 +443,9 @@ class MatrixRenderer:
                     causal="j <= t" if s.diagonal else "j < t",
                     masked="j > t" if s.diagonal else "j >= t",
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
-                    LDC=KT + rows, LDW=s.C + rows, LDB=VT + cols,
+                    LDC=KT + rows, LDW=LDW, LDB=VT + cols, LDWH=s.C + HALF_PAD, tile=tile, half=tile != "float",
                     # the outputs kernel's S_start (read by columns); the backward's S and G
-                    LDS=VT + (rows if kind == "chunk_gradients" else cols),
+                    LDS=LDS if kind == "chunk_gradients" else VT + cols,
                     # the outputs kernel's c and a tiles (later b's): their floats, and where
                     # its readouts lie in them (None: in their own array)
                     tiles={name: n for name, _, n in memory.arrays}.get("tiles"),
@@ -416,25 +457,26 @@ class MatrixRenderer:
                     bounds=self.d.launch_bounds.format(threads=group_threads(kind),
                                                        groups=GRADIENT_GROUPS)
                     if kind == "chunk_gradients" else "",
-                    # the backward's tiles of rows and products (every array a matrix operand
-                    # read row-wise: the rows pad)
-                    LDT=max(KT, VT) + rows, LDP=max(KT, VT) + rows)
+                    # the backward's tiles of rows and products
+                    LDT=LDT, LDP=LDP)
 
-    def memory(self, kind: str) -> GroupMemory:
-        """The group memory of ``kind``'s kernel (a shape is only made where it fits)."""
+    def memory(self, kind: str, tile: str = "float") -> GroupMemory:
+        """The group memory of ``kind``'s kernel (a shape is only made where it fits; ``tile``:
+        the backward's, ``gradient_tile``)."""
         s = self.shape
         if self._tiles(kind) is None:
             raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, K={s.K}, "
                              f"V={s.V} exceeds what {self.d.name} gives a kernel")
         KT, VT = self._tiles(kind)
-        memory = group_memory(kind, s.C, KT, VT, self.d, s.signed, s.K)
+        memory = group_memory(kind, s.C, KT, VT, self.d, s.signed, s.K, tile != "float")
         if memory is None:
             raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, tiles of "
                              f"{KT} x {VT} exceeds what {self.d.name} gives a kernel")
         return memory
 
-    def header(self, kind: str) -> str:
-        return environment().get_template("matrix_header.j2").render(**self._context(kind))
+    def header(self, kind: str, tile: str = "float") -> str:
+        return environment().get_template("matrix_header.j2").render(
+            **self._context(kind, tile))
 
     def states(self, reverse: bool) -> str:
         ctx = self._context("adjoint" if reverse else "states")
@@ -476,14 +518,29 @@ class MatrixRenderer:
         return environment().get_template("matrix_gradients.j2").render(
             **self._context("gradients"))
 
-    def chunk_gradients(self) -> str:
+    def gradient_tile(self, half: str) -> str:
+        """The element type of the backward's tiles for factors and states that are all halves
+        of the dialect's type ``half`` (``Dialect.half_tiles``; None: they are not): that type
+        where its group memory (``gradient_arrays``) fits the backward's tiles, else
+        ``float``."""
+        s = self.shape
+        if half is None or s.gradient_tiles is None or \
+                group_memory("chunk_gradients", s.C, *s.gradient_tiles, self.d, s.signed, s.K,
+                             half=True) is None:
+            return "float"
+        return half
+
+    def chunk_gradients(self, tile: str = "float") -> str:
+        """The backward of the chunks in one kernel; ``tile``: the type of its tiles of rows and
+        states, ``float`` or ``gradient_tile``'s half type, which the products then take as it
+        is (and the weighted scores rounded to it)."""
         return environment().get_template("matrix_chunk_gradients.j2").render(
-            **self._context("chunk_gradients"))
+            **self._context("chunk_gradients", tile))
 
 
-__all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "GroupMemory",
-           "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS", "STATE_TILES", "THREADS",
-           "VECTOR_COPIES", "WALK_KINDS", "WALK_TILES", "WIDE_KERNELS", "decay_score_chunk",
-           "decay_score_floats", "decay_score_threads", "decay_score_tile", "decay_scores_text",
-           "gradient_tiles", "group_arrays", "group_memory", "group_threads", "state_tiles",
-           "tiles", "walk_tiles"]
+__all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_HALVES", "GRADIENT_TILES",
+           "GroupMemory", "HALF_PAD", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
+           "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS", "WALK_TILES", "WIDE_KERNELS",
+           "decay_score_chunk", "decay_score_floats", "decay_score_threads", "decay_score_tile",
+           "decay_scores_text", "gradient_arrays", "gradient_pads", "gradient_tiles",
+           "group_arrays", "group_memory", "group_threads", "state_tiles", "tiles", "walk_tiles"]
