@@ -216,8 +216,10 @@ def test_half_factors_reach_the_kernels_as_given(name, dtype, backend, kernel_ca
     Mamba-2's ``B`` and ``C``, summed over a group's heads, nor ``v`` where the output reads it
     too), so each is rounded once. Where a walk multiplies two such factors as they are
     (CUDA's tiles of halves, ``Dialect.half_tiles``), its rows scaled by the decays are rounded
-    to half precision first, as FLA's kernels do: there the results are the fp32 call's to
-    within two of that precision's epsilons."""
+    to half precision first, as FLA's kernels do, and the outputs and backward kernels, given
+    halves only, multiply them as they are too, their weighted scores rounded to half
+    precision: there the results are the fp32 call's to within two of that precision's
+    epsilons."""
     mx.random.seed(len(name) + (dtype == mx.float16))
     run, inputs, states, reference, halved = _half_case(name, backend)
     inputs = [x.astype(dtype) for x in inputs]  # the values half precision holds
@@ -758,10 +760,11 @@ def test_forward_mode_and_second_order_through_the_kernels(kernel_calls, monkeyp
 def test_cuda_text_compiles(tmp_path, kind):
     """The matrix kernels' CUDA text (the tensor-core MMA and the exact loop, signed or not;
     the kernels that read factors where they lie also with bf16 and fp16 factors, at sizes
-    that take four elements a copy and a store and at sizes that take one) compiles with nvcc
-    for sm_90, MLX's device header replaced by a stand-in."""
+    that take four elements a copy and a store and at sizes that take one, and with bf16
+    factors and exact products) compiles with nvcc for sm_90, MLX's device header replaced by
+    a stand-in."""
     halves = [(True, True, d, n) for d in (mx.bfloat16, mx.float16) for n in (64, 30)] \
-        if kind in mk.STRIDED else []
+        + [(False, True, mx.bfloat16, 64)] if kind in mk.STRIDED else []
     for units, signed, factors, n in [(u, s, mx.float32, 64) for u in (True, False)
                                       for s in (False, True)] + halves:
         text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units,
@@ -773,6 +776,10 @@ def test_cuda_text_compiles(tmp_path, kind):
         res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",
                               os.devnull], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
+        # bf16 factors and states: the outputs and backward kernels multiply tiles of them on
+        # the matrix units (exact products take floats)
+        halves = units and factors == mx.bfloat16 and kind in ("outputs", "chunk_gradients")
+        assert ("__nv_bfloat16* const Wh" in text) == halves
 
 
 def test_the_simulator_runs_uncompiled_where_a_gpu_is_the_default(monkeypatch, kernel_calls):

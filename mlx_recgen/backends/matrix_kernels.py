@@ -158,7 +158,7 @@ class MatrixKernels:
         r = MatrixRenderer(dialect, shape)
         signs = ["sign"] if shape.signed else []
         if kind == "outputs":
-            body, outs = r.outputs(), ["out"]
+            body, outs = r.outputs(_tile(dialect, shape, kind, halves)), ["out"]
             ins = ["c", "a", "b", "log_d", *signs, "states"]
         elif kind == "weights":
             body, outs = r.weights(adjoint=False), ["weights"]
@@ -229,7 +229,7 @@ class MatrixKernels:
         if not self.walk(shape, math.prod(x.shape[:-2])):
             return mx.float32
         halves = _halves([x.dtype, y.dtype])
-        return x.dtype if _half_tile(self.dialect, halves, (0, 1)) != "float" else mx.float32
+        return x.dtype if _tile(self.dialect, shape, "walk", halves) != "float" else mx.float32
 
     # -- launches --------------------------------------------------------------------------------
     def walk(self, shape, instances) -> bool:
@@ -600,14 +600,19 @@ def _tile(dialect, shape, kind, halves) -> str:
     """The element type of the tiles ``kind``'s kernel multiplies, for its inputs in half
     precision ``halves`` (``_halves``): a walk's tiles of ``x`` and ``y``, and the backward's of
     its factors and states, hold halves where they all are halves of one kind that the dialect
-    multiplies as they are (``Dialect.half_tiles``; the backward's also where its group memory
-    fits them, ``MatrixRenderer.gradient_tile``); every other tile holds floats."""
+    multiplies as they are (``Dialect.half_tiles``), and so do the outputs kernel's of ``c``,
+    ``a``, ``b`` and ``S_start`` and the backward's of its factors and states where the
+    kernel's group memory fits them (``MatrixRenderer.tile``); every other tile holds
+    floats, and so does every tile where the products are exact (``units`` off)."""
+    if not shape.units:  # exact fp32 products: on floats, the scalar units' loop
+        return "float"
     if kind in WALK_KINDS:
         return _half_tile(dialect, halves, (0, 1))
-    if kind == "chunk_gradients":
-        half = _half_tile(dialect, halves, range(len(GRADIENT_INPUTS)))
-        return MatrixRenderer(dialect, shape).gradient_tile(None if half == "float" else half)
-    return "float"
+    given = {"chunk_gradients": len(GRADIENT_INPUTS), "outputs": 4}.get(kind)  # c, a, b, starts
+    if given is None:
+        return "float"
+    half = _half_tile(dialect, halves, range(given))
+    return MatrixRenderer(dialect, shape).tile(kind, None if half == "float" else half)
 
 
 def _half_tile(dialect, halves, positions) -> str:
@@ -689,7 +694,7 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     # and the readouts' cotangent, read where they lie; the states as the walk keeps them
     # (``MatrixKernels.states_dtype``); the gradients and readouts it writes (``core``'s
     # ``grads`` and ``out``)
-    states = factors if _half_tile(kernels.dialect, _halves([factors] * 2), (0, 1)) != "float" \
+    states = factors if _tile(kernels.dialect, shape, "walk", _halves([factors] * 2)) != "float" \
         else mx.float32
     given = {n: factors for n in ins if n in (*_FACTORS, "dy")} if kind in STRIDED else {}
     if given:

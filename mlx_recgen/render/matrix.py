@@ -187,9 +187,9 @@ def _halves_in_floats(n: int) -> int:
     return -(-n // 2)
 
 
-# The arrays of the backward kernel that hold halves where it multiplies them as they are
-# (``gradient_arrays``)
-GRADIENT_HALVES = ("Wh", "dWh", "Xs", "Ys", "Ss", "Gs")
+# The arrays that hold halves where a kernel multiplies them as they are (``group_arrays``'s
+# ``half``; the outputs kernel's tiles of rows are halves in its float array ``tiles``)
+HALF_ARRAYS = {"chunk_gradients": ("Wh", "dWh", "Xs", "Ys", "Ss", "Gs"), "outputs": ("Ss", "Wh")}
 
 
 def gradient_arrays(C: int, KT: int, VT: int, pads=(0, 0), half=False) -> list:
@@ -226,8 +226,8 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
                  K: int = None, half=False) -> list:
     """The arrays ``kind``'s kernel keeps in group memory (``GroupMemory.arrays``), for tiles of
     ``KT x VT`` (the states kernels': their own ``state_tiles``) of a state of ``K`` rows (None:
-    more than one tile); ``pads``: ``Dialect.matrix_pads``; ``half``: the backward's tiles of
-    halves (``gradient_arrays``)."""
+    more than one tile); ``pads``: ``Dialect.matrix_pads``; ``half``: the tiles of halves of the
+    kernels that take them (``HALF_ARRAYS``)."""
     rows, cols = pads
     if kind in ("states", "adjoint"):
         own = [("X", "C * LDX", C * (KT + cols)), ("Y", "C * LDY", C * (VT + cols)),
@@ -240,11 +240,15 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
         return own  # the sums of log d in registers (matrix_walk_scan.j2)
     elif kind == "outputs":
         # c and a side by side, later b in the same memory; with one tile of K, the readouts
-        # too, past c's and b's rows (``_outputs_in_tiles``)
-        tiles = max(2 * C * (KT + rows), C * (VT + cols))
-        at = _outputs_in_tiles(C, K, KT, VT, pads)
+        # too, past c's and b's rows (``_outputs_in_tiles``). With ``half``: c, a, b and S_start
+        # as halves, and the weights rounded to them (``Wh``)
+        ldc, ldb, lds = output_pads(KT, VT, pads, half)
+        size = _halves_in_floats if half else (lambda n: n)
+        tiles = size(max(2 * C * ldc, C * ldb))
+        at = _outputs_in_tiles(C, K, KT, VT, pads, half)
         own = [("tiles", "TILES", max(tiles, at + C * VT) if at is not None else tiles),
-               ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", KT * (VT + cols))]
+               ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", size(KT * lds))]
+        own += [("Wh", "C * LDWH", size(C * (C + HALF_PAD)))] if half else []
         own += [("Yt", "C * VT", C * VT)] if at is None else []
     elif kind == "chunk_gradients":
         own = gradient_arrays(C, KT, VT, pads, half)
@@ -257,26 +261,35 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
     return own + _step_arrays(kind, C, signed)
 
 
-def _outputs_in_tiles(C: int, K, KT: int, VT: int, pads):
+def output_pads(KT: int, VT: int, pads=(0, 0), half=False) -> tuple:
+    """The outputs kernel's row lengths ``(LDC, LDB, LDS)``, of its tiles of ``c`` and ``a``, of
+    ``b`` and of ``S_start``: ``c`` and ``a`` read row-wise (the row pad), ``b`` and the state by
+    columns (the column pad); tiles of halves pad by ``HALF_PAD``."""
+    rows, cols = (HALF_PAD, HALF_PAD) if half else pads
+    return KT + rows, VT + cols, VT + cols
+
+
+def _outputs_in_tiles(C: int, K, KT: int, VT: int, pads, half=False):
     """Where the outputs kernel's readouts ``[C, VT]`` lie in its ``tiles`` (floats from its
     start), or None where they take their own array. With one tile of K, ``a``'s rows are done
     with once ``c aᵀ`` is formed, before the first readout is written, so the readouts take
     their place past ``c``'s rows (read by ``c S_start``) and ``b``'s (read by ``W b``): a
     group's memory is then a fifth less (GLA's chunks of 64 on CUDA: 89.6 -> 73.2 KB, three
     groups a core where two were)."""
-    rows, cols = pads
     if K is None or KT < K:  # a's rows come again for the next tile of K
         return None
-    return _aligned(max(C * (KT + rows), C * (VT + cols)))
+    ldc, ldb, _ = output_pads(KT, VT, pads, half)
+    rows = max(C * ldc, C * ldb)
+    return _aligned(_halves_in_floats(rows) if half else rows)
 
 
 def group_memory(kind: str, C: int, KT: int, VT: int, dialect, signed=False, K: int = None,
                  half=False):
     """``kind``'s ``GroupMemory`` on ``dialect`` (a state of ``K`` rows, as ``group_arrays``;
-    ``half``: the backward's tiles of halves), or None where it fits neither the arrays the
+    ``half``: its tiles of halves), or None where it fits neither the arrays the
     target lets a kernel declare nor its dynamic group memory."""
     arrays = tuple(group_arrays(kind, C, KT, VT, dialect.matrix_pads, signed, K, half))
-    halves = GRADIENT_HALVES if half and kind == "chunk_gradients" else ()
+    halves = HALF_ARRAYS.get(kind, ()) if half else ()
     memory = GroupMemory(arrays, halves=halves)
     if memory.bytes <= dialect.shared_bytes:
         return memory
@@ -430,7 +443,9 @@ class MatrixRenderer:
         memory = self.memory(kind, tile)
         KT, VT = self._tiles(kind)
         warps = group_threads(kind) // 32
-        LDW, LDT, LDS, LDP = gradient_pads(s.C, KT, VT, self.d.matrix_pads, tile != "float")
+        half = tile != "float"
+        LDW, LDT, LDS, LDP = gradient_pads(s.C, KT, VT, self.d.matrix_pads, half)
+        LDC, LDB, LDS_OUT = output_pads(KT, VT, self.d.matrix_pads, half)
         return dict(d=self.d, kind=kind, C=s.C,
                     vector_copies=kind in VECTOR_COPIES,
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients",
@@ -443,13 +458,13 @@ class MatrixRenderer:
                     causal="j <= t" if s.diagonal else "j < t",
                     masked="j > t" if s.diagonal else "j >= t",
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
-                    LDC=KT + rows, LDW=LDW, LDB=VT + cols, LDWH=s.C + HALF_PAD, tile=tile, half=tile != "float",
+                    LDC=LDC, LDW=LDW, LDB=LDB, LDWH=s.C + HALF_PAD, tile=tile, half=half,
                     # the outputs kernel's S_start (read by columns); the backward's S and G
-                    LDS=LDS if kind == "chunk_gradients" else VT + cols,
+                    LDS=LDS if kind == "chunk_gradients" else LDS_OUT,
                     # the outputs kernel's c and a tiles (later b's): their floats, and where
                     # its readouts lie in them (None: in their own array)
                     tiles={name: n for name, _, n in memory.arrays}.get("tiles"),
-                    outputs_at=_outputs_in_tiles(s.C, s.K, KT, VT, self.d.matrix_pads),
+                    outputs_at=_outputs_in_tiles(s.C, s.K, KT, VT, self.d.matrix_pads, half),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
                     memory=memory, ROWS=_weight_rows(s.C // warps),
@@ -511,36 +526,41 @@ class MatrixRenderer:
         ctx = self._context("weights_adjoint" if adjoint else "weights")
         return environment().get_template("matrix_weights.j2").render(adjoint=adjoint, **ctx)
 
-    def outputs(self) -> str:
-        return environment().get_template("matrix_outputs.j2").render(**self._context("outputs"))
+    def outputs(self, tile: str = "float") -> str:
+        """The readouts; ``tile``: the type of the tiles of ``c``, ``a``, ``b`` and ``S_start``,
+        ``float`` or ``tile``'s half type, which the products then take as it is (and the
+        weights rounded to it)."""
+        return environment().get_template("matrix_outputs.j2").render(
+            **self._context("outputs", tile))
 
     def gradients(self) -> str:
         return environment().get_template("matrix_gradients.j2").render(
             **self._context("gradients"))
 
-    def gradient_tile(self, half: str) -> str:
-        """The element type of the backward's tiles for factors and states that are all halves
-        of the dialect's type ``half`` (``Dialect.half_tiles``; None: they are not): that type
-        where its group memory (``gradient_arrays``) fits the backward's tiles, else
-        ``float``."""
+    def tile(self, kind: str, half: str) -> str:
+        """The element type of the tiles of ``kind``'s kernel (the outputs' or the backward's,
+        ``HALF_ARRAYS``) for factors and states that are all halves of the dialect's type
+        ``half`` (``Dialect.half_tiles``; None: they are not): that type where the kernel's
+        group memory with tiles of halves fits its tiles, else ``float``."""
         s = self.shape
-        if half is None or s.gradient_tiles is None or \
-                group_memory("chunk_gradients", s.C, *s.gradient_tiles, self.d, s.signed, s.K,
+        if half is None or kind not in HALF_ARRAYS or self._tiles(kind) is None or \
+                group_memory(kind, s.C, *self._tiles(kind), self.d, s.signed, s.K,
                              half=True) is None:
             return "float"
         return half
 
     def chunk_gradients(self, tile: str = "float") -> str:
         """The backward of the chunks in one kernel; ``tile``: the type of its tiles of rows and
-        states, ``float`` or ``gradient_tile``'s half type, which the products then take as it
+        states, ``float`` or ``tile``'s half type, which the products then take as it
         is (and the weighted scores rounded to it)."""
         return environment().get_template("matrix_chunk_gradients.j2").render(
             **self._context("chunk_gradients", tile))
 
 
-__all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_HALVES", "GRADIENT_TILES",
+__all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "HALF_ARRAYS",
            "GroupMemory", "HALF_PAD", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
            "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS", "WALK_TILES", "WIDE_KERNELS",
            "decay_score_chunk", "decay_score_floats", "decay_score_threads", "decay_score_tile",
            "decay_scores_text", "gradient_arrays", "gradient_pads", "gradient_tiles",
-           "group_arrays", "group_memory", "group_threads", "state_tiles", "tiles", "walk_tiles"]
+           "group_arrays", "group_memory", "group_threads", "output_pads", "state_tiles", "tiles",
+           "walk_tiles"]
