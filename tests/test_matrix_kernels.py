@@ -21,6 +21,7 @@ from conftest import KERNEL_BACKENDS, rel_err
 from references import gla_ref, ssd_ref
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.backends.mlx_source import without_mlx_header
+from mlx_recgen.render import matrix as render_matrix
 from mlx_recgen.render.dialects import DIALECTS
 from mlx_recgen.render.matrix import WALK_KINDS
 from test_matrix import _assert_matches
@@ -148,6 +149,28 @@ def test_gla_over_several_chunks(L, seg, backend, kernel_calls, readouts,
     mx.random.seed(L)
     _assert_gla_matches(backend, *_gla_inputs(2, L, 3, 20, 12), seg=seg, tol=_tol(backend))
     assert {s.C for s in kernel_calls} == {seg} and all(s.diagonal for s in kernel_calls)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("L", [150, 40])  # ten chunks of 16, the last partial; three
+def test_walks_with_chunks_in_flight(stages, L, kernel_calls, monkeypatch):
+    """A walk that holds ``stages`` chunks of rows at a time, the copies of ``stages - 1`` in
+    flight while one is multiplied (``render.matrix.WALK_STAGES``: CUDA's walks on tiles of
+    halves take four), over more chunks than that and fewer, forward and adjoint: GLA's outputs,
+    final state and every gradient match the paper's loop in the simulator, whose race checks
+    cover a buffer's copies against the product still reading it (Metal's copies are done as
+    they are issued: the groups of copies are no-ops there)."""
+    monkeypatch.setitem(render_matrix.WALK_STAGES, "float", stages)
+    kernels = mk.matrix_kernels("metal-sim")
+    monkeypatch.setattr(kernels, "_kernels", type(kernels._kernels)(8))  # rendered anew
+    monkeypatch.setattr(kernels, "_shapes", type(kernels._shapes)(8))
+    monkeypatch.setattr(mk, "WALK_GROUPS", 1)
+    monkeypatch.setitem(mk.WALKS, "metal-sim", True)
+    walked = _walks_chosen(monkeypatch)
+    mx.random.seed(L + stages)
+    _assert_gla_matches("metal-sim", *_gla_inputs(2, L, 3, 20, 12), seg=16, tol=TOL)
+    assert walked and all(walked) and kernel_calls
+    assert f"STAGES = {stages};" in mk.matrix_source("walk", "metal-sim", seg=16)
 
 
 def _gla_inputs(b, L, H, K, V):

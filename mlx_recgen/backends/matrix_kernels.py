@@ -598,17 +598,15 @@ GRADIENT_INPUTS = ["c", "a", "b", "dy", "starts", "leaving"]
 
 def _tile(dialect, shape, kind, halves) -> str:
     """The element type of the tiles ``kind``'s kernel multiplies, for its inputs in half
-    precision ``halves`` (``_halves``): a walk's tiles of ``x`` and ``y``, and the backward's of
-    its factors and states, hold halves where they all are halves of one kind that the dialect
-    multiplies as they are (``Dialect.half_tiles``), and so do the outputs kernel's of ``c``,
-    ``a``, ``b`` and ``S_start`` and the backward's of its factors and states where the
-    kernel's group memory fits them (``MatrixRenderer.tile``); every other tile holds
-    floats, and so does every tile where the products are exact (``units`` off)."""
+    precision ``halves`` (``_halves``): the half type where the inputs its tiles hold (a walk's
+    ``x`` and ``y``; the outputs kernel's ``c``, ``a``, ``b`` and ``S_start``; the backward's
+    ``GRADIENT_INPUTS``) are all halves of one kind that the dialect multiplies as they are
+    (``Dialect.half_tiles``) and the kernel's group memory fits them (``MatrixRenderer.tile``);
+    else floats, as wherever the products are exact (``units`` off)."""
     if not shape.units:  # exact fp32 products: on floats, the scalar units' loop
         return "float"
-    if kind in WALK_KINDS:
-        return _half_tile(dialect, halves, (0, 1))
-    given = {"chunk_gradients": len(GRADIENT_INPUTS), "outputs": 4}.get(kind)  # c, a, b, starts
+    given = {"chunk_gradients": len(GRADIENT_INPUTS), "outputs": 4,  # c, a, b, starts
+             **{k: 2 for k in WALK_KINDS}}.get(kind)
     if given is None:
         return "float"
     half = _half_tile(dialect, halves, range(given))

@@ -160,6 +160,10 @@ inline void recgen_put4(threadgroup float* dst, float4 x) {
   dst[3] = x.w;
 }
 inline void recgen_group_copies_done() {}
+// the copies in groups (cp.async's commit and wait on CUDA): copies here are done when issued
+inline void recgen_group_copies_commit() {}
+template <int PENDING>
+inline void recgen_group_copies_done_but() {}
 // four floats of a tile's row, read or written as one (plain accesses: any float's address will do)
 template <typename P>
 inline float4 recgen_load4(P p) {
@@ -522,6 +526,15 @@ __device__ inline bool recgen_aligned4(const Half* p) {
 }
 __device__ inline void recgen_group_copies_done() {
   asm volatile("cp.async.wait_all;\\n" ::);
+}
+// the copies issued since the last commit form a group; done_but<N> waits for every group but
+// the N committed last (a group may be empty)
+__device__ inline void recgen_group_copies_commit() {
+  asm volatile("cp.async.commit_group;\\n" ::);
+}
+template <int PENDING>
+__device__ inline void recgen_group_copies_done_but() {
+  asm volatile("cp.async.wait_group %0;\\n" ::"n"(PENDING));
 }
 // four floats of a tile's row, read or written as one 16-byte access (p 16-byte aligned)
 __device__ inline float4 recgen_load4(const float* p) {

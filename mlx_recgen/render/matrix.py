@@ -189,7 +189,18 @@ def _halves_in_floats(n: int) -> int:
 
 # The arrays that hold halves where a kernel multiplies them as they are (``group_arrays``'s
 # ``half``; the outputs kernel's tiles of rows are halves in its float array ``tiles``)
-HALF_ARRAYS = {"chunk_gradients": ("Wh", "dWh", "Xs", "Ys", "Ss", "Gs"), "outputs": ("Ss", "Wh")}
+HALF_ARRAYS = {"chunk_gradients": ("Wh", "dWh", "Xs", "Ys", "Ss", "Gs"), "outputs": ("Ss", "Wh"),
+               **{kind: ("X", "Y") for kind in WALK_KINDS}}
+# The chunks of rows a walk keeps in group memory, by its tiles' elements: the one it multiplies
+# and those whose copies are in flight meanwhile. A walk is one group a core, waiting on its
+# next chunk's rows (a chunk of GLA B8's walk took about 2 µs on an H200 with one in flight);
+# tiles of halves take half the bytes, so twice the chunks fit the same memory
+WALK_STAGES = {"float": 2, "half": 4}
+
+
+def walk_stages(half: bool) -> int:
+    """The chunks of rows a walk holds at a time (``WALK_STAGES``), with tiles of halves or not."""
+    return WALK_STAGES["half" if half else "float"]
 
 
 def gradient_arrays(C: int, KT: int, VT: int, pads=(0, 0), half=False) -> list:
@@ -233,10 +244,14 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
         own = [("X", "C * LDX", C * (KT + cols)), ("Y", "C * LDY", C * (VT + cols)),
                ("S", "KT * VT", KT * VT)]
     elif kind in WALK_KINDS:
-        # two buffers of the chunk's rows and log d (signs) by turns, and the state's tile
-        own = [("X", "2 * C * LDX", 2 * C * (KT + cols)), ("Y", "2 * C * LDY", 2 * C * (VT + cols)),
-               ("S", "KT * VT", KT * VT), ("logs", "2 * C", 2 * C)]
-        own += [("signs", "2 * C", 2 * C)] if signed else []
+        # buffers of the chunks' rows and log d (signs) by turns (``walk_stages``), and the
+        # state's tile
+        stages = walk_stages(half)
+        size = _halves_in_floats if half else (lambda n: n)
+        own = [("X", "STAGES * C * LDX", size(stages * C * (KT + cols))),
+               ("Y", "STAGES * C * LDY", size(stages * C * (VT + cols))),
+               ("S", "KT * VT", KT * VT), ("logs", "STAGES * C", stages * C)]
+        own += [("signs", "STAGES * C", stages * C)] if signed else []
         return own  # the sums of log d in registers (matrix_walk_scan.j2)
     elif kind == "outputs":
         # c and a side by side, later b in the same memory; with one tile of K, the readouts
@@ -467,7 +482,7 @@ class MatrixRenderer:
                     outputs_at=_outputs_in_tiles(s.C, s.K, KT, VT, self.d.matrix_pads, half),
                     row_exponent="s" if s.inclusive else "before",
                     row_doc="Λ_t" if s.inclusive else "Λ_t - log d_t",
-                    memory=memory, ROWS=_weight_rows(s.C // warps),
+                    memory=memory, ROWS=_weight_rows(s.C // warps), stages=walk_stages(half),
                     UNROLL=GRADIENT_UNROLL if kind == "chunk_gradients" else UNROLL,
                     bounds=self.d.launch_bounds.format(threads=group_threads(kind),
                                                        groups=GRADIENT_GROUPS)
@@ -503,8 +518,8 @@ class MatrixRenderer:
         ``y``, ``float`` or (``Dialect.half_tiles``) the factors' half type, which the product
         then takes as it is."""
         kind = "adjoint_walk" if reverse else "walk"
-        ctx = self._context(kind)
-        ctx.update(reverse=reverse, tile=tile, **self._scaled_rows(reverse))
+        ctx = self._context(kind, tile)
+        ctx.update(reverse=reverse, **self._scaled_rows(reverse))
         return environment().get_template("matrix_walk.j2").render(**ctx)
 
     def _scaled_rows(self, reverse: bool) -> dict:
@@ -538,8 +553,8 @@ class MatrixRenderer:
             **self._context("gradients"))
 
     def tile(self, kind: str, half: str) -> str:
-        """The element type of the tiles of ``kind``'s kernel (the outputs' or the backward's,
-        ``HALF_ARRAYS``) for factors and states that are all halves of the dialect's type
+        """The element type of the tiles of ``kind``'s kernel (the walks', the outputs' or the
+        backward's, ``HALF_ARRAYS``) for factors and states that are all halves of the dialect's type
         ``half`` (``Dialect.half_tiles``; None: they are not): that type where the kernel's
         group memory with tiles of halves fits its tiles, else ``float``."""
         s = self.shape
@@ -559,8 +574,8 @@ class MatrixRenderer:
 
 __all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "HALF_ARRAYS",
            "GroupMemory", "HALF_PAD", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
-           "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS", "WALK_TILES", "WIDE_KERNELS",
+           "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS", "WALK_STAGES", "WALK_TILES", "WIDE_KERNELS",
            "decay_score_chunk", "decay_score_floats", "decay_score_threads", "decay_score_tile",
            "decay_scores_text", "gradient_arrays", "gradient_pads", "gradient_tiles",
            "group_arrays", "group_memory", "group_threads", "output_pads", "state_tiles", "tiles",
-           "walk_tiles"]
+           "walk_stages", "walk_tiles"]
