@@ -150,15 +150,15 @@ class MatrixKernels:
     def _text(dialect, shape, kind, halves=()):
         """(name, input names, output names, body, header) of a kernel: ``KERNELS``.
         ``halves``: the inputs given in half precision (``_halves``); the text is the same for
-        every dtype (the copies into group memory widen halves), the name is not, except a
-        walk's whose factors are both halves of one kind where the dialect multiplies them as
-        they are (``_tile``)."""
+        every dtype (the copies into group memory widen halves), the name is not, except where
+        the kernel's tiles hold halves as given (``_tile``)."""
         if kind not in KERNELS:
             raise ValueError(f"the matrix schedule's kernels are {KERNELS}, got {kind!r}")
         r = MatrixRenderer(dialect, shape)
         signs = ["sign"] if shape.signed else []
+        tile = _tile(dialect, shape, kind, halves)
         if kind == "outputs":
-            body, outs = r.outputs(_tile(dialect, shape, kind, halves)), ["out"]
+            body, outs = r.outputs(tile), ["out"]
             ins = ["c", "a", "b", "log_d", *signs, "states"]
         elif kind == "weights":
             body, outs = r.weights(adjoint=False), ["weights"]
@@ -172,11 +172,11 @@ class MatrixKernels:
                    "dims"]
             outs = ["dc", "da", "db", "row_c", "row_a"]
         elif kind == "chunk_gradients":
-            body = r.chunk_gradients(_tile(dialect, shape, kind, halves))
+            body = r.chunk_gradients(tile)
             ins = GRADIENT_INPUTS[:4] + ["log_d", *signs] + GRADIENT_INPUTS[4:]
             outs = ["dc", "da", "db", "d_log_d"]
         elif kind in WALK_KINDS:
-            body = r.walk(reverse=kind == "adjoint_walk", tile=_tile(dialect, shape, kind, halves))
+            body = r.walk(reverse=kind == "adjoint_walk", tile=tile)
             ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
@@ -184,7 +184,7 @@ class MatrixKernels:
         else:
             body = r.states(reverse=kind == "adjoint")
             ins, outs = ["x", "y", "log_d", *signs], ["local", "decay"]
-        header = r.header(kind, _tile(dialect, shape, kind, halves))
+        header = r.header(kind, tile)
         return _named(kind, halves, header, body, ins, outs), ins, outs, body, header
 
     def _make(self, text, **launch):
@@ -692,8 +692,8 @@ def matrix_source(kind, backend, seg=64, state_size=64, lanes=64, inclusive=Fals
     # and the readouts' cotangent, read where they lie; the states as the walk keeps them
     # (``MatrixKernels.states_dtype``); the gradients and readouts it writes (``core``'s
     # ``grads`` and ``out``)
-    states = factors if _tile(kernels.dialect, shape, "walk", _halves([factors] * 2)) != "float" \
-        else mx.float32
+    walked_halves = _tile(kernels.dialect, shape, "walk", _halves([factors] * 2)) != "float"
+    states = factors if walked_halves else mx.float32
     given = {n: factors for n in ins if n in (*_FACTORS, "dy")} if kind in STRIDED else {}
     if given:
         given.update({n: states for n in ins if n in ("states", "starts", "leaving")})

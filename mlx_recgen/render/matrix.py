@@ -148,7 +148,7 @@ class GroupMemory:
 
     arrays: tuple
     dynamic: bool = False
-    halves: tuple = ()  # the arrays whose elements are the kernel's tile type (``tile``), not floats
+    halves: tuple = ()  # the arrays whose elements are the kernel's tile type, not floats
 
     @property
     def bytes(self) -> int:
@@ -183,8 +183,9 @@ def _step_arrays(kind: str, C: int, signed: bool) -> list:
     return [(n, "C", C) for n in names] + spans
 
 
-def _halves_in_floats(n: int) -> int:
-    return -(-n // 2)
+def _floats(n: int, half: bool) -> int:
+    """The floats of group memory that ``n`` elements take: floats, or halves (``half``)."""
+    return -(-n // 2) if half else n
 
 
 # The arrays that hold halves where a kernel multiplies them as they are (``group_arrays``'s
@@ -218,7 +219,7 @@ def gradient_arrays(C: int, KT: int, VT: int, pads=(0, 0), half=False) -> list:
     if half:
         tiles = [("Wh", "C * LDWH", C * (C + HALF_PAD)), ("dWh", "C * LDWH", C * (C + HALF_PAD))] \
             + tiles
-        tiles = [(name, size, _halves_in_floats(n)) for name, size, n in tiles]
+        tiles = [(name, size, _floats(n, half)) for name, size, n in tiles]
     return [("W", "C * LDW", C * ldw), ("dW", "C * LDW", C * ldw), *tiles,
             ("Pa", "C * LDP", C * ldp), ("Pb", "C * LDP", C * ldp),
             ("sums", "WARPS * C", warps * C), ("warp_sums", "WARPS", warps)]
@@ -247,9 +248,8 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
         # buffers of the chunks' rows and log d (signs) by turns (``walk_stages``), and the
         # state's tile
         stages = walk_stages(half)
-        size = _halves_in_floats if half else (lambda n: n)
-        own = [("X", "STAGES * C * LDX", size(stages * C * (KT + cols))),
-               ("Y", "STAGES * C * LDY", size(stages * C * (VT + cols))),
+        own = [("X", "STAGES * C * LDX", _floats(stages * C * (KT + cols), half)),
+               ("Y", "STAGES * C * LDY", _floats(stages * C * (VT + cols), half)),
                ("S", "KT * VT", KT * VT), ("logs", "STAGES * C", stages * C)]
         own += [("signs", "STAGES * C", stages * C)] if signed else []
         return own  # the sums of log d in registers (matrix_walk_scan.j2)
@@ -258,12 +258,11 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
         # too, past c's and b's rows (``_outputs_in_tiles``). With ``half``: c, a, b and S_start
         # as halves, and the weights rounded to them (``Wh``)
         ldc, ldb, lds = output_pads(KT, VT, pads, half)
-        size = _halves_in_floats if half else (lambda n: n)
-        tiles = size(max(2 * C * ldc, C * ldb))
+        tiles = _floats(max(2 * C * ldc, C * ldb), half)
         at = _outputs_in_tiles(C, K, KT, VT, pads, half)
         own = [("tiles", "TILES", max(tiles, at + C * VT) if at is not None else tiles),
-               ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", size(KT * lds))]
-        own += [("Wh", "C * LDWH", size(C * (C + HALF_PAD)))] if half else []
+               ("W", "C * LDW", C * (C + rows)), ("Ss", "KT * LDS", _floats(KT * lds, half))]
+        own += [("Wh", "C * LDWH", _floats(C * (C + HALF_PAD), half))] if half else []
         own += [("Yt", "C * VT", C * VT)] if at is None else []
     elif kind == "chunk_gradients":
         own = gradient_arrays(C, KT, VT, pads, half)
@@ -294,8 +293,7 @@ def _outputs_in_tiles(C: int, K, KT: int, VT: int, pads, half=False):
     if K is None or KT < K:  # a's rows come again for the next tile of K
         return None
     ldc, ldb, _ = output_pads(KT, VT, pads, half)
-    rows = max(C * ldc, C * ldb)
-    return _aligned(_halves_in_floats(rows) if half else rows)
+    return _aligned(_floats(max(C * ldc, C * ldb), half))
 
 
 def group_memory(kind: str, C: int, KT: int, VT: int, dialect, signed=False, K: int = None,
@@ -491,8 +489,8 @@ class MatrixRenderer:
                     LDT=LDT, LDP=LDP)
 
     def memory(self, kind: str, tile: str = "float") -> GroupMemory:
-        """The group memory of ``kind``'s kernel (a shape is only made where it fits; ``tile``:
-        the backward's, ``gradient_tile``)."""
+        """The group memory of ``kind``'s kernel with tiles of ``tile`` (a shape is only made
+        where it fits with floats; ``tile`` is a half type only where that fits too)."""
         s = self.shape
         if self._tiles(kind) is None:
             raise ValueError(f"the matrix {kind} kernel's group memory for C={s.C}, K={s.K}, "
@@ -554,9 +552,9 @@ class MatrixRenderer:
 
     def tile(self, kind: str, half: str) -> str:
         """The element type of the tiles of ``kind``'s kernel (the walks', the outputs' or the
-        backward's, ``HALF_ARRAYS``) for factors and states that are all halves of the dialect's type
-        ``half`` (``Dialect.half_tiles``; None: they are not): that type where the kernel's
-        group memory with tiles of halves fits its tiles, else ``float``."""
+        backward's, ``HALF_ARRAYS``) for factors and states that are all halves of the
+        dialect's type ``half`` (``Dialect.half_tiles``; None: they are not): that type where
+        the kernel's group memory with tiles of halves fits its tiles, else ``float``."""
         s = self.shape
         if half is None or kind not in HALF_ARRAYS or self._tiles(kind) is None or \
                 group_memory(kind, s.C, *self._tiles(kind), self.d, s.signed, s.K,
@@ -574,8 +572,8 @@ class MatrixRenderer:
 
 __all__ = ["DECAY_SCORE_KINDS", "DECAY_SCORE_TILES", "GRADIENT_TILES", "HALF_ARRAYS",
            "GroupMemory", "HALF_PAD", "MatrixKernelShape", "MatrixRenderer", "OUTPUT_THREADS",
-           "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS", "WALK_STAGES", "WALK_TILES", "WIDE_KERNELS",
-           "decay_score_chunk", "decay_score_floats", "decay_score_threads", "decay_score_tile",
-           "decay_scores_text", "gradient_arrays", "gradient_pads", "gradient_tiles",
-           "group_arrays", "group_memory", "group_threads", "output_pads", "state_tiles", "tiles",
-           "walk_stages", "walk_tiles"]
+           "STATE_TILES", "THREADS", "VECTOR_COPIES", "WALK_KINDS", "WALK_STAGES", "WALK_TILES",
+           "WIDE_KERNELS", "decay_score_chunk", "decay_score_floats", "decay_score_threads",
+           "decay_score_tile", "decay_scores_text", "gradient_arrays", "gradient_pads",
+           "gradient_tiles", "group_arrays", "group_memory", "group_threads", "output_pads",
+           "state_tiles", "tiles", "walk_stages", "walk_tiles"]
