@@ -96,6 +96,7 @@ from .affine import with_dependencies
 from .backends import kernels as _kernels
 from .backends.mlx_chunked import apply_multiplier, compose_multipliers
 from .backends.reference import Evaluator
+from .errors import dtype_name
 from .layout import declared_shape, from_canonical, to_canonical
 from .schedule import matrix_chunk
 from .spec import Slot
@@ -665,7 +666,7 @@ class _Segments:
         outs = self._run("outputs", meta, [*_buffers(inputs), *ckpts],
                          [declared_shape(t, self.sizes) for t in spec.outputs.values()],
                          [self.out_dtype] * len(spec.outputs),
-                         f"{_dtypes_text(inputs)} -> {_kernels._dtype_name(self.out_dtype)}",
+                         f"{_dtypes_text(inputs)} -> {dtype_name(self.out_dtype)}",
                          [("OutT", self.out_dtype)])
         return outs, ckpts + prods
 
@@ -691,7 +692,7 @@ class _Segments:
                             [mx.float32] * (2 * n), "float32")
         d_start, lam_ends = carried[:n], carried[n:]
         shapes = [impl.meta.grad_shape(t, self.sizes, self.sch)
-                  for t in _kernels._differentiable(self.spec).values()]
+                  for t in self.spec.differentiable_inputs.values()]
         results = self._run("gradients", meta, [*_buffers(inputs), *ckpts, *d_out, *lam_ends],
                             shapes, [mx.float32] * len(shapes), _dtypes_text([*inputs, *d_out]))
         return (impl._finish_grads(inputs, results, self.sizes, self.sch),
@@ -704,11 +705,11 @@ def _no_hits(rec) -> dict:
 
 
 def _buffers(inputs) -> list:
-    return [_kernels._as_buffer(x) for x in inputs]
+    return [_kernels.as_buffer(x) for x in inputs]
 
 
 def _dtypes_text(arrays) -> str:
-    return ", ".join(_kernels._dtype_name(x.dtype) for x in arrays)
+    return ", ".join(dtype_name(x.dtype) for x in arrays)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Exceptions raised by mlx-recgen."""
+"""Exceptions raised by mlx-recgen, and how their messages name things."""
 
 
 class SpecError(ValueError):
@@ -11,3 +11,8 @@ class SpecError(ValueError):
     def __init__(self, spec: str, message: str):
         self.spec = spec
         super().__init__(f"spec '{spec}': {message}")
+
+
+def dtype_name(d) -> str:
+    """A dtype as messages name it: ``float32``, not ``mlx.core.float32``."""
+    return str(d).replace("mlx.core.", "")

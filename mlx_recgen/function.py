@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from . import cache as program_cache
 from .adjoint import derive
+from .errors import dtype_name
 from .affine import analyse, local_adjoint_program, segment_summary
 from .ir import Loop, lower, schedule_forward
 from .layout import declared_shape
@@ -50,10 +51,6 @@ COMPILED_BACKENDS = ("metal", "cuda")
 
 def _axes_text(t) -> str:
     return " ".join(str(a) for a in t.axes)
-
-
-def _dtype_name(d) -> str:
-    return str(d).replace("mlx.core.", "")
 
 
 def positive_int(owner: str, name: str, value) -> int:
@@ -270,7 +267,7 @@ class Recurrence:
             if not isinstance(x, mx.array):
                 raise TypeError(f"{s.name}(): argument '{arg}' must be an mx.array, got {type(x).__name__}")
             if x.dtype not in FLOAT_DTYPES and not (index_ok and x.dtype in INDEX_DTYPES):
-                raise TypeError(f"{s.name}(): argument '{arg}' has dtype {_dtype_name(x.dtype)}; "
+                raise TypeError(f"{s.name}(): argument '{arg}' has dtype {dtype_name(x.dtype)}; "
                                 "expected float32, float16 or bfloat16"
                                 + (", or bool or an integer type (not differentiated)"
                                    if index_ok else ""))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .errors import dtype_name
 from .function import BACKENDS, FLOAT_DTYPES, positive_int
 from .specs import load_spec
 
@@ -45,10 +46,6 @@ SIGNATURES = {
 }
 
 
-def _dtype_name(d) -> str:
-    return str(d).replace("mlx.core.", "")
-
-
 def check_arguments(fn: str, spec: str, args, initial_state=None):
     """Check a scan's arguments against ``SIGNATURES[spec]``: arrays of a float dtype, of the
     documented rank, non-empty, with consistent axis sizes. Errors name ``fn`` and the
@@ -69,7 +66,7 @@ def check_arguments(fn: str, spec: str, args, initial_state=None):
         if not isinstance(x, mx.array):
             raise TypeError(f"{fn}(): {label(name)} must be an mx.array, got {type(x).__name__}")
         if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{fn}(): {label(name)} has dtype {_dtype_name(x.dtype)}; expected "
+            raise TypeError(f"{fn}(): {label(name)} has dtype {dtype_name(x.dtype)}; expected "
                             "float32, float16 or bfloat16")
         tokens = layouts[name].split()
         if x.ndim != len(tokens):

@@ -366,6 +366,11 @@ class Spec:
         lane axis."""
         return {sym for slot, sym in self.symbols.items() if self.tensors[slot.tensor].has_lane}
 
+    @property
+    def differentiable_inputs(self) -> dict:
+        """The inputs that get a gradient (floating-point ones; ``without_gradients``)."""
+        return {k: t for k, t in self.inputs.items() if t.differentiable}
+
     def without_gradients(self, names) -> "Spec":
         """The same spec with the inputs ``names`` non-differentiable: the adjoint derives no
         gradient for them and the tangent recurrence no tangent."""

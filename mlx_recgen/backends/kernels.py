@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..errors import dtype_name
 from ..function import vmap_guard
 from ..layout import declared_shape
 from ..memo import LRU
@@ -64,11 +65,7 @@ KERNELS_KEPT = 64
 SHAPES_KEPT = 128
 
 
-def _dtype_name(d) -> str:
-    return str(d).replace("mlx.core.", "")
-
-
-def _as_buffer(x):
+def as_buffer(x):
     """MLX passes a 0-d input as a reference (``const constant T&``), which the kernels cannot
     index; pass it as shape (1,) instead (same element, same address space)."""
     return mx.reshape(x, (1,)) if x.ndim == 0 else x
@@ -180,7 +177,8 @@ class KernelBackend:
                             [*(ids["buffer", t] for t in s.outputs),
                              *(ids["final", t] for t in s.states),
                              *(ids["ckpt", t] for t in s.states)])
-        outs = [*(ids["d", t] for t in _differentiable(s)), *(ids["d_init", t] for t in s.states)]
+        outs = [*(ids["d", t] for t in s.differentiable_inputs),
+                *(ids["d_init", t] for t in s.states)]
         if schedule.history == "scratch":
             outs.append("scratch")
         return _Buffers([*(ids["buffer", t] for t in s.inputs), *(ids["ckpt", t] for t in s.states),
@@ -208,7 +206,7 @@ class KernelBackend:
                                *backward_hits, "meta"],
                               [*(ids["d_init", t] for t in s.states), *lamend]),
             "gradients": ([*inputs, *ckpt, *d_outs, *lamend, "meta"],
-                          [ids["d", t] for t in _differentiable(s)]),
+                          [ids["d", t] for t in s.differentiable_inputs]),
         }
         if kind not in table:
             raise ValueError(f"the chunked schedule's kernels are {CHUNKED_KERNELS}, got {kind!r}")
@@ -359,14 +357,14 @@ class KernelBackend:
         def build():
             sch = self._schedule(sizes, seg, threads, split=split)
             instances, grid, group = self._launch(sizes, sch)
-            dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
-                      + f" -> {_dtype_name(out_dtype)}")
+            dtypes = (", ".join(dtype_name(x.dtype) for x in inputs)
+                      + f" -> {dtype_name(out_dtype)}")
             shapes, out_dtypes = self._forward_outputs(sizes, sch, instances, out_dtype)
             return _Launch(self.kernel("forward", sch, dtypes), self._meta(sizes, sch),
                            [*sch.template(), ("OutT", out_dtype)], grid, group, shapes, out_dtypes)
 
         key = ("forward", seg, threads, split, out_dtype, *(x.dtype for x in inputs))
-        results = self.launch(key, sizes, build)([*map(_as_buffer, inputs), *states])
+        results = self.launch(key, sizes, build)([*map(as_buffer, inputs), *states])
         n_out, n_state = len(spec.outputs), len(spec.states)
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
                 list(results[n_out + n_state:n_out + 2 * n_state]))
@@ -384,8 +382,9 @@ class KernelBackend:
 
         def build():
             instances, grid, group = self._launch(sizes, sch)
-            dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
-            shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+            dtypes = ", ".join(dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+            shapes = [self.meta.grad_shape(t, sizes, sch)
+                      for t in spec.differentiable_inputs.values()]
             shapes += self._d_init_shapes(sizes)
             if sch.history == "scratch":
                 shapes.append((sch.seg * history_rows(spec, sch.state_size // sch.parts)
@@ -395,9 +394,9 @@ class KernelBackend:
 
         key = ("backward", seg, threads, split, *(x.dtype for x in [*inputs, *d_outputs]))
         results = self.launch(key, sizes, build)(
-            [*map(_as_buffer, inputs), *residuals, *d_outputs,
+            [*map(as_buffer, inputs), *residuals, *d_outputs,
              *[g.astype(mx.float32) for g in d_finals]])
-        n_in = len(_differentiable(spec))
+        n_in = len(spec.differentiable_inputs)
         grads = self._finish_grads(inputs, results[:n_in], sizes, sch)
         return grads, self._finish_d_init(results[n_in:n_in + len(spec.states)], states)
 
@@ -423,8 +422,8 @@ class KernelBackend:
         sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
         instances = self._launch(sizes, sch)[0]
         meta = self._meta(sizes, sch)
-        in_dtypes = ", ".join(_dtype_name(x.dtype) for x in inputs)
-        inputs = [_as_buffer(x) for x in inputs]
+        in_dtypes = ", ".join(dtype_name(x.dtype) for x in inputs)
+        inputs = [as_buffer(x) for x in inputs]
         n_state = len(spec.states)
         per_state = self._state_buffer_shapes(sizes, sch, instances)
         prods = self._product_shapes(sizes, sch, instances)
@@ -436,12 +435,12 @@ class KernelBackend:
         local, prod, hits = list(summary[:n]), list(summary[n:m]), list(summary[m:])
         carried = self._run("carry", sch, sizes, meta, [*states, *local, *prod, *hits],
                             [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
-                            [f32] * (2 * n_state), ", ".join(_dtype_name(x.dtype) for x in states))
+                            [f32] * (2 * n_state), ", ".join(dtype_name(x.dtype) for x in states))
         finals, ckpts = list(carried[:n_state]), list(carried[n_state:])
         outs = self._run("outputs", sch, sizes, meta, [*inputs, *ckpts],
                          [declared_shape(t, sizes) for t in spec.outputs.values()],
                          [out_dtype] * len(spec.outputs),
-                         in_dtypes + f" -> {_dtype_name(out_dtype)}", [("OutT", out_dtype)])
+                         in_dtypes + f" -> {dtype_name(out_dtype)}", [("OutT", out_dtype)])
         return list(outs), finals, ckpts + prod
 
     def _backward_chunked(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
@@ -453,8 +452,8 @@ class KernelBackend:
         n_state = len(spec.states)
         ckpts, prods = residuals[:n_state], residuals[n_state:]
         shares = self._state_buffer_shapes(sizes, sch, instances, shares=True)
-        dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
-        buffers = [_as_buffer(x) for x in inputs]
+        dtypes = ", ".join(dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+        buffers = [as_buffer(x) for x in inputs]
         f32 = mx.float32
         hit_shapes = (self._hits_shapes(sizes, sch, instances)
                       if self.rec.local_adjoint.counts_hits else [])
@@ -466,7 +465,7 @@ class KernelBackend:
                             self._d_init_shapes(sizes) + shares,
                             [f32] * (2 * n_state), "float32")
         d_init, lam_end = carried[:n_state], list(carried[n_state:])
-        shapes = [self.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+        shapes = [self.meta.grad_shape(t, sizes, sch) for t in spec.differentiable_inputs.values()]
         results = self._run("gradients", sch, sizes, meta, [*buffers, *ckpts, *d_outputs, *lam_end],
                             shapes, [f32] * len(shapes), dtypes)
         grads = self._finish_grads(inputs, results, sizes, sch)
@@ -497,8 +496,8 @@ class ScanPasses:
 
         def build():
             instances, grid, group = b._launch(sizes, sch, outer=segments if sch.lookback else 1)
-            dtypes = (", ".join(_dtype_name(x.dtype) for x in inputs)
-                      + f" -> {_dtype_name(out_dtype)}")
+            dtypes = (", ".join(dtype_name(x.dtype) for x in inputs)
+                      + f" -> {dtype_name(out_dtype)}")
             shapes, out_dtypes = b._forward_outputs(sizes, sch, instances, out_dtype)
             template = [*sch.template(), ("OutT", out_dtype),
                         *self.run_template([x.dtype for x in inputs])]
@@ -514,7 +513,7 @@ class ScanPasses:
             # 64-bit words as pairs of 32-bit zeros: MLX's fill of 64-bit ones took 15-20 µs for
             # 1.2 MB on an H200
             words = [mx.zeros((2 * n,), dtype=mx.uint32)]
-        results = b.launch(key, sizes, build)([*map(_as_buffer, inputs), *states, *words])
+        results = b.launch(key, sizes, build)([*map(as_buffer, inputs), *states, *words])
         n_out, n_state = len(spec.outputs), len(spec.states)
         return (list(results[:n_out]), list(results[n_out:n_out + n_state]),
                 list(results[n_out + n_state:n_out + 2 * n_state]))
@@ -526,8 +525,8 @@ class ScanPasses:
 
         def build():
             _, grid, group = b._launch(sizes, sch)
-            dtypes = ", ".join(_dtype_name(x.dtype) for x in [*inputs, *d_outputs])
-            shapes = [b.meta.grad_shape(t, sizes, sch) for t in _differentiable(spec).values()]
+            dtypes = ", ".join(dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+            shapes = [b.meta.grad_shape(t, sizes, sch) for t in spec.differentiable_inputs.values()]
             shapes += b._d_init_shapes(sizes)
             grad_dtypes = self.grad_dtypes({n: x.dtype for n, x in zip(spec.inputs, inputs)},
                                            sizes, sch)
@@ -540,9 +539,9 @@ class ScanPasses:
 
         key = ("scan backward", run, threads, *(x.dtype for x in [*inputs, *d_outputs]))
         results = b.launch(key, sizes, build)(
-            [*map(_as_buffer, inputs), *ckpts, *d_outputs,
+            [*map(as_buffer, inputs), *ckpts, *d_outputs,
              *[g.astype(mx.float32) for g in d_finals]])
-        n_in = len(_differentiable(spec))
+        n_in = len(spec.differentiable_inputs)
         grads = b._finish_grads(inputs, results[:n_in], sizes, sch)
         return grads, b._finish_d_init(results[n_in:], states)
 
@@ -552,7 +551,7 @@ class ScanPasses:
         else float32."""
         meta = self.backend.meta
         return [dtypes[t.name] if not meta.grad_lead(t, sizes, sch) else mx.float32
-                for t in _differentiable(self.backend.rec.spec).values()]
+                for t in self.backend.rec.spec.differentiable_inputs.values()]
 
     @staticmethod
     def grad_template(grad_dtypes) -> list:
@@ -567,11 +566,6 @@ class ScanPasses:
                 + [(run_type_name(j, cotangent=True), d) for j, d in enumerate(cotangent_dtypes)])
 
 
-def _differentiable(spec) -> dict:
-    """The inputs that get a gradient (floating point ones; see ``Spec.without_gradients``)."""
-    return {k: t for k, t in spec.inputs.items() if t.differentiable}
-
-
 class _ArrayInfo:
     """Stands in for an input array when only its dtype, rank and size matter."""
 
@@ -580,7 +574,7 @@ class _ArrayInfo:
 
 
 def _input_info(dtype, t):
-    """An input as the kernel receives it (a 0-d input as shape (1,), see ``_as_buffer``)."""
+    """An input as the kernel receives it (a 0-d input as shape (1,), see ``as_buffer``)."""
     return _ArrayInfo(dtype, len(t.axes)) if t.axes else _ArrayInfo(dtype, 1, 1)
 
 
@@ -660,9 +654,9 @@ def kernel_source(rec, kind, backend, dtype=mx.float32, seg=None, state_size=16,
         template = [*template, ("OutT", dtype)]
     # the dtypes a kernel's header names, as the passes above name them at a call (the kernel's
     # name derives from its header): inputs, then the outputs' dtype or the cotangents'
-    in_text = ", ".join(_dtype_name(dtypes[n]) for n in spec.inputs)
-    to_outputs = f"{in_text} -> {_dtype_name(dtype)}"
-    with_cotangents = ", ".join([in_text] + [_dtype_name(dtype)] * len(spec.outputs))
+    in_text = ", ".join(dtype_name(dtypes[n]) for n in spec.inputs)
+    to_outputs = f"{in_text} -> {dtype_name(dtype)}"
+    with_cotangents = ", ".join([in_text] + [dtype_name(dtype)] * len(spec.outputs))
     dtypes_text = {"forward": to_outputs, "outputs": to_outputs, "summary": in_text,
                    "carry": ", ".join(["float32"] * len(spec.states)),
                    "adjoint_carry": "float32"}.get(kind, with_cotangents)
