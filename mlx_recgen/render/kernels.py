@@ -3,7 +3,8 @@
 Python lowers the step programs to C statements (``StepWriter``): expressions through
 ``CPrinter``, and every ``Store`` routed by what it is — a new state or adjoint (committed at the
 end of the step, after every read of the old value), an output, or a gradient of one of four
-reduction classes (written per lane, accumulated over time, reduced over lanes, or both). The
+reduction classes (written per lane, accumulated over time, reduced over lanes, or both;
+``GradientRoutes``). The
 templates (``templates/*.j2``) hold the kernel skeleton: thread mapping, time and segment loops,
 checkpoints and the threadgroup stage of lane reductions, and the lines of the reductions the
 step program writes inline (``backward_reductions.j2``: a gradient's lane sums a step, a chunk's
@@ -378,152 +379,178 @@ class KernelRenderer:
         (``lambda_only``, a program with only ``λ`` stores) from a zero adjoint, writing the
         segment's local adjoint, and with ``hits`` (per block: ``reg``, ``vector``, ``buffer``,
         ``offset``) its counts of zero hits (``affine.local_adjoint_program``)."""
-        spec, d, nm = self.spec, self.d, self.names
-        reductions = environment().get_template("backward_reductions.j2").module
-        writer = StepWriter(self.rec, d, nm, stage=self.schedule.stage_steps > 0,
+        spec = self.spec
+        writer = StepWriter(self.rec, self.d, self.names, stage=self.schedule.stage_steps > 0,
                             split=self.schedule.parts > 1)
-        idx = writer.idx
-        # gradients reduced over lanes, by (input tensor, component): per step, or once at the end
-        time_rows, param_rows = {}, {}
-        accumulators = []  # parameter gradients, summed over time in registers
-
-        def rows(table):
-            return " + ".join(r.size for r in table.values()) or "0"
-
-        def grad_target(t, c, in_loop, with_time):
-            offset = nm.terms(t, c, time=with_time, n=in_loop)
-            return f"{nm[('d', t.name)]}[{nm[('d_base', t.name)]}{offset}]"
-
-        # with time_rounds, the vector gradients reduced every step take rows
-        # (n % ROUND) * len(loop_rows) + k and are reduced inside the state loop, every ROUND
-        # iterations; the scalar ones keep their rows in time_rows, reduced after the step
-        loop_rows = {}
-        # otherwise they are summed over lanes LC values at a time: (tensor, component) -> the
-        # thread's array of the current chunk
-        chunk_arrays = {}
-
-        hit_regs = {h["slot"]: h["reg"] for h in hits}
-
-        def route(store, value, in_loop, pad):
-            if store.kind == "hits":  # adds to the block's count
-                return [], [f"{pad}{hit_regs[store.slot]}[{idx if in_loop else 0}] += {value};"]
-            if store.kind == "lambda":
-                lam = nm[("sym", self.rec.adjoint.state_cotangents[store.slot])]
-                return [], [f"{pad}{lam}{f'[{idx}]' if in_loop else ''} = {value};"]
-            t = spec.inputs[store.slot.tensor]  # differentiable: the adjoint has no others
-            c = store.slot.component
-            n_idx = "n" if in_loop else "0"
-            # a value outside the state loop is the same in every part of a lane: counted once
-            ok = "lane_ok" if in_loop else "lane_once"
-            if t.has_lane and t.has_time:
-                return [f"{pad}if ({ok}) {{ {grad_target(t, c, in_loop, True)} = {value}; }}"], []
-            if not t.has_time:
-                name = nm[("acc", spec.symbols[store.slot])]
-                masked = value if t.has_lane and in_loop else f"({ok} ? {value} : 0.0f)"
-                return [f"{pad}{name}[{idx if in_loop else 0}] += {masked};"], []
-            # shared, time-varying: reduce over lanes this step
-            if in_loop and (t.name, c) in chunk_arrays:  # with the chunk's other values
-                return [f"{pad}{chunk_arrays[(t.name, c)]}[{idx} % LC] = {ok} ? {value} : 0.0f;"], []
-            if (t.name, c) in loop_rows:
-                row, at = f"(n % ROUND) * {len(loop_rows)} + {list(loop_rows).index((t.name, c))}", ""
-            else:
-                row, at = f"{time_rows[(t.name, c)].offset} + {n_idx}", "red_step + "
-            # one value: whole lanes (part 0 holds a value outside the state loop)
-            writer = "writes" if in_loop else "writes && part == 0"
-            return reductions.lane_sum(pad, ok, value, writer, at, row).splitlines(), []
-
-        def loop_end(loop, pad):
-            return round_end(loop, pad) + chunk_end(loop, pad)
-
-        def chunk_end(loop, pad):
-            """The lane sums of the last LC values of the gradients reduced in chunks."""
-            arrays = [(chunk_arrays[key], time_rows[key].offset) for key in chunk_arrays
-                      if any(isinstance(b, Store) and b.kind == "grad"
-                             and (b.slot.tensor, b.slot.component) == key for b in loop.body)]
-            if not arrays:
-                return []
-            element = "part + PARTS * e" if writer.split else "e"
-            return reductions.chunk_end(pad, idx, element, arrays).splitlines()
-
-        def round_end(loop, pad):
-            """The lane reductions of one round of the state loop (time_rounds only)."""
-            if not any(isinstance(b, Store) and b.kind == "grad" and
-                       (b.slot.tensor, b.slot.component) in loop_rows for b in loop.body):
-                return []
-            return reductions.round_end(pad, list(loop_rows.values()), d.barrier).splitlines()
-
-        differentiable = [] if lambda_only else [t for t in spec.inputs.values() if t.differentiable]
-        for t in differentiable:
-            for c in range(t.components):
-                size = "NS" if t.has_state_axis else "1"
-                if not t.has_time:
-                    target = grad_target(t, c, t.has_state_axis, False)
-                    row = None
-                    if not t.has_lane:
-                        row = param_rows[(t.name, c)] = SharedSlot(rows(param_rows), size, target)
-                    accumulators.append(dict(name=nm[("acc", spec.symbols[Slot(t.name, c)])],
-                                             vector=t.has_state_axis, shared=not t.has_lane,
-                                             target=target, slot=row))
-                elif not t.has_lane:
-                    target = grad_target(t, c, t.has_state_axis, True)
-                    if self.schedule.time_rounds and t.has_state_axis:
-                        loop_rows[(t.name, c)] = target
-                    else:
-                        time_rows[(t.name, c)] = SharedSlot(rows(time_rows), size, target)
-                        if t.has_state_axis:
-                            chunk_arrays[(t.name, c)] = f"lane_chunk_{len(chunk_arrays)}"
-
+        differentiable = [] if lambda_only else list(spec.differentiable_inputs.values())
+        grads = GradientRoutes(self, writer, differentiable, hits)
         recompute = _without_outputs(self.rec.forward_program)
+        state_symbols = {spec.symbols[s] for s in spec.state_slots()}
+        reads_state = bool(free_symbols(program.statements) & state_symbols)
+        ctx = self._common("backward")
+        ctx.update(
+            stage=writer.stage_loads([recompute, program] if reads_state else [program]),
+            recompute_loads=writer.step_loads(recompute, "      "),
+            recompute=writer.program(recompute, _commit_state(spec, self.names, writer.idx),
+                                     "      "),
+            loads=writer.step_loads(program, "      "),
+            step=writer.program(program, grads.route, "      ", loop_end=grads.loop_end),
+            segment_in_grid=segment_in_grid, lambda_only=lambda_only,
+            outer="segment" if segment_in_grid else None,
+            # an adjoint that never reads the state (a state-affine update with outputs linear
+            # in the state, swept for λ only) needs no recomputed segment
+            reads_state=reads_state,
+            lam=self._adjoint_starts(segment_in_grid, lambda_only), hits=list(hits),
+            grad_bases=self._gradient_bases(differentiable, segment_in_grid),
+            accumulators=grads.accumulators,
+            time_rows=list(grads.time_rows.values()), param_rows=list(grads.param_rows.values()),
+            time_count=_rows(grads.time_rows), chunk_arrays=list(grads.chunk_arrays.values()),
+            param_count=_rows(grads.param_rows), loop_count=len(grads.loop_rows),
+            max_shared_floats=self.schedule.reduction_floats,
+        )
+        return environment().get_template("backward.j2").render(**ctx)
 
-        adj = self.rec.adjoint
-        lam = []
-        for slot, sym in adj.state_cotangents.items():
-            # a shared state's λ is this lane's share: lane 0 is seeded with the cotangent
-            t = spec.states[slot.tensor]
+    def _adjoint_starts(self, segment_in_grid, lambda_only) -> list:
+        """Each state's ``λ`` (its symbol, whether it is a vector) and the value it starts the
+        sweep from: zero (``lambda_only``), the segment's end adjoint (``segment_in_grid``) or
+        the final state's cotangent, of which a shared state's lane 0 holds the lanes' share;
+        with where the initial state's gradient and the local adjoint are written."""
+        nm, lam = self.names, []
+        for slot, sym in self.rec.adjoint.state_cotangents.items():
+            t = self.spec.states[slot.tensor]
             c = slot.component
             offset = nm[("base", t.name)] + nm.terms(t, c, n=t.has_state_axis)
             seeded = "lane_ok" if t.has_lane else "lane == 0"
             if lambda_only:
                 init = "0.0f"
             elif segment_in_grid:
-                lamend = f"{nm[('lamend', t.name)]}[{self.ckpt_offset(t, c, 'segment', shares=True)}]"
-                init = f"lane_ok ? {lamend} : 0.0f"
+                at = self.ckpt_offset(t, c, "segment", shares=True)
+                init = f"lane_ok ? {nm[('lamend', t.name)]}[{at}] : 0.0f"
             else:
                 init = f"{seeded} ? static_cast<float>({nm[('d_final', t.name)]}[{offset}]) : 0.0f"
             lam.append(dict(sym=nm[("sym", sym)], vector=t.has_state_axis, init=init,
                             dst=f"{nm[('d_init', t.name)]}[{self.d_init_offset(t, c)}]",
                             local=f"{nm[('local', t.name)]}"
                                   f"[{self.ckpt_offset(t, c, shares=True)}]"))
-        grad_bases = []
+        return lam
+
+    def _gradient_bases(self, differentiable, segment_in_grid) -> list:
+        """The declarations of each gradient buffer's base offset: the input's, with the
+        partial sums' axes (lane groups; segments for a parameter summed per segment)."""
+        nm, bases = self.names, []
         for t in differentiable:
             extra = self._grad_axis_terms(t)
             if self.schedule.lane_partials and not t.has_lane:
                 extra.append(f" + lane_group * {nm[('d_stride', t.name, LANE_GROUPS)]}")
             if segment_in_grid and not t.has_time:  # one partial sum per segment
                 extra.append(f" + segment * {nm[('d_stride', t.name, SEGMENTS)]}")
-            grad_bases.append(f"const {d.int64} {nm[('d_base', t.name)]} = "
-                              f"{nm[('base', t.name)]}{''.join(extra)};")
-        ctx = self._common("backward")
-        state_symbols = {spec.symbols[s] for s in spec.state_slots()}
-        reads_state = bool(free_symbols(program.statements) & state_symbols)
-        ctx.update(
-            stage=writer.stage_loads([recompute, program] if reads_state else [program]),
-            recompute_loads=writer.step_loads(recompute, "      "),
-            recompute=writer.program(recompute, _commit_state(spec, nm, idx), "      "),
-            loads=writer.step_loads(program, "      "),
-            step=writer.program(program, route, "      ", loop_end=loop_end),
-            segment_in_grid=segment_in_grid, lambda_only=lambda_only,
-            outer="segment" if segment_in_grid else None,
-            # an adjoint that never reads the state (a state-affine update with outputs linear
-            # in the state, swept for λ only) needs no recomputed segment
-            reads_state=reads_state,
-            lam=lam, hits=list(hits), grad_bases=grad_bases, accumulators=accumulators,
-            time_rows=list(time_rows.values()), param_rows=list(param_rows.values()),
-            time_count=rows(time_rows), chunk_arrays=list(chunk_arrays.values()),
-            param_count=rows(param_rows), loop_count=len(loop_rows),
-            max_shared_floats=self.schedule.reduction_floats,
-        )
-        return environment().get_template("backward.j2").render(**ctx)
+            bases.append(f"const {self.d.int64} {nm[('d_base', t.name)]} = "
+                         f"{nm[('base', t.name)]}{''.join(extra)};")
+        return bases
+
+
+def _rows(table) -> str:
+    """The rows a table of ``SharedSlot`` takes in the reduction buffer, as a C expression."""
+    return " + ".join(r.size for r in table.values()) or "0"
+
+
+class GradientRoutes:
+    """Where the backward step's stores go (``route``, for ``StepWriter.program``): a ``λ`` or a
+    count of zero hits to its register; a gradient by its reduction class, as its input's axes
+    say: written per lane (lane and time axes), summed over time in registers (no time axis:
+    ``accumulators``), or reduced over the lanes of the threadgroup, one step at a time
+    (``time_rows``), per round of the state loop (``loop_rows``, ``time_rounds``), or ``LC``
+    values at a time (``chunk_arrays``); and the reductions at the end of a state loop's
+    iteration (``loop_end``)."""
+
+    def __init__(self, renderer: KernelRenderer, writer: StepWriter, differentiable, hits):
+        self.spec, self.nm, self.idx = renderer.spec, renderer.names, writer.idx
+        self.split, self.barrier = writer.split, renderer.d.barrier
+        self.lambdas = renderer.rec.adjoint.state_cotangents
+        self.reductions = environment().get_template("backward_reductions.j2").module
+        self.hit_regs = {h["slot"]: h["reg"] for h in hits}
+        # by (input tensor, component): the rows of the gradients reduced over lanes per step,
+        # and once at the end (parameters); with time_rounds, the vector gradients reduced
+        # every step take rows (n % ROUND) * len(loop_rows) + k, reduced inside the state loop
+        # every ROUND iterations; otherwise they are summed over lanes LC values at a time,
+        # from the thread's array of the current chunk
+        self.time_rows, self.param_rows, self.loop_rows, self.chunk_arrays = {}, {}, {}, {}
+        self.accumulators = []  # parameter gradients, summed over time in registers
+        for t in differentiable:
+            for c in range(t.components):
+                self._add(t, c, renderer.schedule.time_rounds)
+
+    def _add(self, t, c, time_rounds):
+        size = "NS" if t.has_state_axis else "1"
+        if not t.has_time:
+            target = self.target(t, c, t.has_state_axis, False)
+            row = None
+            if not t.has_lane:
+                row = self.param_rows[(t.name, c)] = SharedSlot(_rows(self.param_rows), size,
+                                                                target)
+            self.accumulators.append(dict(name=self.nm[("acc", self.spec.symbols[Slot(t.name, c)])],
+                                          vector=t.has_state_axis, shared=not t.has_lane,
+                                          target=target, slot=row))
+        elif not t.has_lane:
+            target = self.target(t, c, t.has_state_axis, True)
+            if time_rounds and t.has_state_axis:
+                self.loop_rows[(t.name, c)] = target
+            else:
+                self.time_rows[(t.name, c)] = SharedSlot(_rows(self.time_rows), size, target)
+                if t.has_state_axis:
+                    self.chunk_arrays[(t.name, c)] = f"lane_chunk_{len(self.chunk_arrays)}"
+
+    def target(self, t, c, in_loop, with_time) -> str:
+        """The gradient buffer's element of input ``t``'s component ``c``."""
+        offset = self.nm.terms(t, c, time=with_time, n=in_loop)
+        return f"{self.nm[('d', t.name)]}[{self.nm[('d_base', t.name)]}{offset}]"
+
+    def route(self, store, value, in_loop, pad):
+        idx, key = self.idx, None
+        if store.kind == "hits":  # adds to the block's count
+            return [], [f"{pad}{self.hit_regs[store.slot]}[{idx if in_loop else 0}] += {value};"]
+        if store.kind == "lambda":
+            lam = self.nm[("sym", self.lambdas[store.slot])]
+            return [], [f"{pad}{lam}{f'[{idx}]' if in_loop else ''} = {value};"]
+        t = self.spec.inputs[store.slot.tensor]  # differentiable: the adjoint has no others
+        key = (t.name, store.slot.component)
+        # a value outside the state loop is the same in every part of a lane: counted once
+        ok = "lane_ok" if in_loop else "lane_once"
+        if t.has_lane and t.has_time:
+            return [f"{pad}if ({ok}) {{ {self.target(t, key[1], in_loop, True)} = {value}; }}"], []
+        if not t.has_time:
+            name = self.nm[("acc", self.spec.symbols[store.slot])]
+            masked = value if t.has_lane and in_loop else f"({ok} ? {value} : 0.0f)"
+            return [f"{pad}{name}[{idx if in_loop else 0}] += {masked};"], []
+        # shared, time-varying: reduce over lanes this step
+        if in_loop and key in self.chunk_arrays:  # with the chunk's other values
+            return [f"{pad}{self.chunk_arrays[key]}[{idx} % LC] = {ok} ? {value} : 0.0f;"], []
+        if key in self.loop_rows:
+            row, at = f"(n % ROUND) * {len(self.loop_rows)} + {list(self.loop_rows).index(key)}", ""
+        else:
+            row, at = f"{self.time_rows[key].offset} + {'n' if in_loop else '0'}", "red_step + "
+        # one value: whole lanes (part 0 holds a value outside the state loop)
+        writes = "writes" if in_loop else "writes && part == 0"
+        return self.reductions.lane_sum(pad, ok, value, writes, at, row).splitlines(), []
+
+    def _writes(self, loop, keys) -> bool:
+        """Whether the state loop ``loop`` stores a gradient of one of ``keys``."""
+        return any(isinstance(b, Store) and b.kind == "grad"
+                   and (b.slot.tensor, b.slot.component) in keys for b in loop.body)
+
+    def loop_end(self, loop, pad) -> list:
+        """The lane reductions of one round of the state loop (``time_rounds`` only), and the
+        lane sums of the last ``LC`` values of the gradients reduced in chunks."""
+        lines = []
+        if self._writes(loop, self.loop_rows):
+            lines += self.reductions.round_end(pad, list(self.loop_rows.values()),
+                                               self.barrier).splitlines()
+        arrays = [(self.chunk_arrays[key], self.time_rows[key].offset) for key in self.chunk_arrays
+                  if self._writes(loop, {key})]
+        if arrays:
+            element = "part + PARTS * e" if self.split else "e"
+            lines += self.reductions.chunk_end(pad, self.idx, element, arrays).splitlines()
+        return lines
 
 
 def _without_outputs(program: Program) -> Program:
