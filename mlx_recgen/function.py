@@ -68,6 +68,52 @@ def positive_int(owner: str, name: str, value) -> int:
     return number
 
 
+class _AxisSizes:
+    """The axes' sizes of a call, read off its arrays as they are checked: each array an
+    ``mx.array`` of a float dtype (or, for an index input, bool or an integer type), of its
+    declaration's rank, non-empty, its component axes of their declared sizes, and every axis
+    of one size across the arrays (``where`` names the array that gave it)."""
+
+    def __init__(self, name: str):
+        self.name, self.sizes, self.where = name, {}, {}
+
+    def check(self, arg: str, x, t, index_ok=False):
+        name, sizes, where = self.name, self.sizes, self.where
+        if not isinstance(x, mx.array):
+            raise TypeError(f"{name}(): argument '{arg}' must be an mx.array, got "
+                            f"{type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES and not (index_ok and x.dtype in INDEX_DTYPES):
+            raise TypeError(f"{name}(): argument '{arg}' has dtype {dtype_name(x.dtype)}; "
+                            "expected float32, float16 or bfloat16"
+                            + (", or bool or an integer type (not differentiated)"
+                               if index_ok else ""))
+        if x.ndim != len(t.axes):
+            raise ValueError(f"{name}(): argument '{arg}' has shape {tuple(x.shape)} "
+                             f"({x.ndim} axes); expected {len(t.axes)} axes ({_axes_text(t)})")
+        for a, n in zip(t.axes, x.shape):
+            if isinstance(a, int):
+                if n != a:
+                    raise ValueError(f"{name}(): argument '{arg}' has shape {tuple(x.shape)}; "
+                                     f"its component axis must have size {a} ({_axes_text(t)})")
+            elif a in sizes and sizes[a] != n:
+                raise ValueError(f"{name}(): axis {a} has size {n} in '{arg}' {tuple(x.shape)} "
+                                 f"but {sizes[a]} in '{where[a]}'")
+            else:
+                sizes[a], where[a] = n, arg
+        if x.size == 0:
+            raise ValueError(f"{name}(): argument '{arg}' is empty (shape {tuple(x.shape)})")
+
+    def check_groups(self, groups: dict):
+        """Each group axis divides the axis it groups."""
+        sizes = self.sizes
+        for coarse, fine in groups.items():
+            if coarse in sizes and sizes[fine] % sizes[coarse]:
+                raise ValueError(f"{self.name}(): axis {fine} has size {sizes[fine]}, which its "
+                                 f"group axis {coarse} of size {sizes[coarse]} (in "
+                                 f"'{self.where[coarse]}') does not divide; each of the "
+                                 f"{sizes[coarse]} groups must serve the same number of {fine}")
+
+
 class Recurrence:
     """A recurrence compiled from a spec.
 
@@ -246,6 +292,30 @@ class Recurrence:
 
     # -- calling ----------------------------------------------------------------------------------
     def _bind(self, args, kwargs, initial_state):
+        """The call's inputs and initial states in declaration order (zero states where none is
+        given), checked against the spec's axes (``_AxisSizes``), with the axes' sizes and the
+        outputs' dtype (the inputs' one float dtype, else float32)."""
+        s = self.spec
+        values = self._named_inputs(args, kwargs)
+        sizes = _AxisSizes(s.name)
+        for n, x in values.items():
+            sizes.check(n, x, s.inputs[n], index_ok=True)
+        states = self._given_states(initial_state, sizes)
+        for a in (s.time, s.lane, *s.batch_axes, *([s.state_axis] if s.state_axis else [])):
+            if a not in sizes.sizes:
+                raise ValueError(f"{s.name}(): the size of axis {a} cannot be inferred from the "
+                                 "inputs; pass initial_state")
+        sizes.check_groups(s.groups)
+        for k, t in s.states.items():
+            if k not in states:
+                states[k] = zero_state(declared_shape(t, sizes.sizes))
+        floats = {x.dtype for x in values.values() if x.dtype in FLOAT_DTYPES}
+        out_dtype = floats.pop() if len(floats) == 1 else mx.float32
+        return list(values.values()), [states[k] for k in s.states], sizes.sizes, out_dtype
+
+    def _named_inputs(self, args, kwargs) -> dict:
+        """The inputs by name, in declaration order, from the call's positional and keyword
+        arguments: each input once, none unknown, none missing."""
         s = self.spec
         names = list(s.inputs)
         if len(args) > len(names):
@@ -260,69 +330,30 @@ class Recurrence:
         missing = [n for n in names if n not in values]
         if missing:
             raise TypeError(f"{s.name}() is missing input(s) {missing}; expects {names}")
+        return {n: values[n] for n in names}
 
-        sizes, where = {}, {}
-
-        def check(arg, x, t, index_ok=False):
-            if not isinstance(x, mx.array):
-                raise TypeError(f"{s.name}(): argument '{arg}' must be an mx.array, got {type(x).__name__}")
-            if x.dtype not in FLOAT_DTYPES and not (index_ok and x.dtype in INDEX_DTYPES):
-                raise TypeError(f"{s.name}(): argument '{arg}' has dtype {dtype_name(x.dtype)}; "
-                                "expected float32, float16 or bfloat16"
-                                + (", or bool or an integer type (not differentiated)"
-                                   if index_ok else ""))
-            if x.ndim != len(t.axes):
-                raise ValueError(f"{s.name}(): argument '{arg}' has shape {tuple(x.shape)} "
-                                 f"({x.ndim} axes); expected {len(t.axes)} axes ({_axes_text(t)})")
-            for a, n in zip(t.axes, x.shape):
-                if isinstance(a, int):
-                    if n != a:
-                        raise ValueError(f"{s.name}(): argument '{arg}' has shape {tuple(x.shape)}; "
-                                         f"its component axis must have size {a} ({_axes_text(t)})")
-                elif a in sizes and sizes[a] != n:
-                    raise ValueError(f"{s.name}(): axis {a} has size {n} in '{arg}' {tuple(x.shape)} "
-                                     f"but {sizes[a]} in '{where[a]}'")
-                else:
-                    sizes[a], where[a] = n, arg
-            if x.size == 0:
-                raise ValueError(f"{s.name}(): argument '{arg}' is empty (shape {tuple(x.shape)})")
-
-        for n in names:
-            check(n, values[n], s.inputs[n], index_ok=True)
-
-        states = {}
-        if initial_state is not None:
-            if isinstance(initial_state, mx.array):
-                if len(s.states) != 1:
-                    raise TypeError(f"{s.name}(): initial_state must be a dict with keys "
-                                    f"{list(s.states)}")
-                initial_state = {next(iter(s.states)): initial_state}
-            if not isinstance(initial_state, dict):
-                raise TypeError(f"{s.name}(): initial_state must be an mx.array or a dict, got "
-                                f"{type(initial_state).__name__}")
-            extra = [k for k in initial_state if k not in s.states]
-            if extra:
-                raise TypeError(f"{s.name}(): initial_state has unknown state(s) {extra}; states "
-                                f"are {list(s.states)}")
-            for k, x in initial_state.items():
-                check(f"initial_state['{k}']" if len(s.states) > 1 else "initial_state", x, s.states[k])
-                states[k] = x
-        for a in (s.time, s.lane, *s.batch_axes, *([s.state_axis] if s.state_axis else [])):
-            if a not in sizes:
-                raise ValueError(f"{s.name}(): the size of axis {a} cannot be inferred from the "
-                                 "inputs; pass initial_state")
-        for coarse, fine in s.groups.items():
-            if coarse in sizes and sizes[fine] % sizes[coarse]:
-                raise ValueError(f"{s.name}(): axis {fine} has size {sizes[fine]}, which its group "
-                                 f"axis {coarse} of size {sizes[coarse]} (in '{where[coarse]}') "
-                                 f"does not divide; each of the {sizes[coarse]} groups must "
-                                 f"serve the same number of {fine}")
-        for k, t in s.states.items():
-            if k not in states:
-                states[k] = zero_state(declared_shape(t, sizes))
-        floats = {values[n].dtype for n in names if values[n].dtype in FLOAT_DTYPES}
-        out_dtype = floats.pop() if len(floats) == 1 else mx.float32
-        return [values[n] for n in names], [states[k] for k in s.states], sizes, out_dtype
+    def _given_states(self, initial_state, sizes) -> dict:
+        """The initial states the call gives, by name (an array stands for the one state),
+        each checked against its declaration."""
+        s = self.spec
+        if initial_state is None:
+            return {}
+        if isinstance(initial_state, mx.array):
+            if len(s.states) != 1:
+                raise TypeError(f"{s.name}(): initial_state must be a dict with keys "
+                                f"{list(s.states)}")
+            initial_state = {next(iter(s.states)): initial_state}
+        if not isinstance(initial_state, dict):
+            raise TypeError(f"{s.name}(): initial_state must be an mx.array or a dict, got "
+                            f"{type(initial_state).__name__}")
+        extra = [k for k in initial_state if k not in s.states]
+        if extra:
+            raise TypeError(f"{s.name}(): initial_state has unknown state(s) {extra}; states "
+                            f"are {list(s.states)}")
+        for k, x in initial_state.items():
+            sizes.check(f"initial_state['{k}']" if len(s.states) > 1 else "initial_state", x,
+                        s.states[k])
+        return dict(initial_state)
 
     def _for_dtypes(self, dtypes) -> "Recurrence":
         """The recurrence that runs inputs of these dtypes (in declaration order): this one, or
