@@ -16,7 +16,8 @@ chain    one thread per element of the state walks the chunks in order (``adjoin
 walk     the two above in one kernel (``adjoint_walk``: the adjoint's): one threadgroup per
          (instance, K tile, V tile; ``walk_tiles``) walks the chunks in order with its tile
          of the state in group memory, ``S <- exp(Λ_C) S + Xᵀ Y``, storing the state entering
-         each chunk; each chunk's rows are copied while the chunk before is multiplied. It
+         each chunk; each chunk's rows are copied while the chunks before are multiplied
+         (``WALK_STAGES``: one chunk ahead on float tiles, three on tiles of halves). It
          moves no ``U`` through device memory, but its groups are as many as the instances
          times the tiles, not times the chunks: it pays where those fill the GPU.
 outputs  one threadgroup per (instance, chunk, V tile): ``y = exp(R) ⊙ (c @ S_start) +
@@ -50,7 +51,10 @@ whose sign is not known symbolically brings its sign as a ``±1`` per step, and 
 multiplied by the product of the signs over its range (running products within the chunk). Every
 product is ``recgen_mm`` on two tiles in group memory: the target's matrix units
 (``Dialect.matrix_prelude``: ``simdgroup_matrix`` on Metal, ``mma.sync`` in TF32 on CUDA) or,
-for exact fp32, a loop over the scalar units written once for both.
+for exact fp32, a loop over the scalar units written once for both. Where a kernel's factors
+and states are halves the dialect multiplies as they are (``Dialect.half_tiles``), the walks',
+outputs' and backward's tiles hold them as given and their products run on them
+(``HALF_ARRAYS``; ``mma.sync`` m16n8k16 on CUDA), the weighted scores rounded to the halves.
 """
 
 from __future__ import annotations
