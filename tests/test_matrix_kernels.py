@@ -338,6 +338,55 @@ def test_gla_with_a_state_of_64_x_64(backend, kernel_calls, states_path):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_bf16_over_several_tiles_of_the_state(backend, kernel_calls, monkeypatch):
+    """GLA in bf16 with a state of 64 x 64 a head, through the walk: on CUDA every kernel then
+    multiplies tiles of bf16 (``matrix_kernels._tile``), the backward's over two tiles of K and
+    two of V, the outputs' and walks' over one. Outputs, final state and the gradients of q, k,
+    v and the initial state agree with the same call on the inputs' values in fp32 within two
+    bf16 epsilons (the rounded weights and rows; the gate stays fp32)."""
+    monkeypatch.setattr(mk, "WALK_GROUPS", 1)
+    monkeypatch.setitem(mk.WALKS, backend, True)
+    tiles = []
+    tile_of = mk._tile
+
+    def spy(dialect, shape, kind, halves):
+        tiles.append((kind, shape.gradient_tiles, tile_of(dialect, shape, kind, halves)))
+        return tiles[-1][-1]
+
+    monkeypatch.setattr(mk, "_tile", spy)
+    mx.random.seed(65)
+    b, L, H, K, V = 1, 150, 2, 64, 64
+    q, k = mx.random.normal((b, L, H, K)) / 8, mx.random.normal((b, L, H, K))
+    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+    g = mx.random.uniform(0.8, 1.0, (b, L, H))
+    gla = rg.load_spec("gla")
+    halves = [x.astype(mx.bfloat16) for x in (q, k, v)]
+
+    def results(q, k, v):
+        def loss(q, k, v, S0):
+            y, S = gla(q, k, v, g, initial_state=S0, return_state=True, backend=backend,
+                       schedule="matrix", seg=64)
+            w = mx.cos(mx.arange(y.size) / 7).astype(q.dtype).reshape(y.shape)
+            return mx.sum(y.astype(mx.float32) * w) + mx.sum(S * S)
+
+        y, S = gla(q, k, v, g, initial_state=S0, return_state=True, backend=backend,
+                   schedule="matrix", seg=64)
+        return [y, S, *mx.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, S0)]
+
+    got = results(*halves)
+    want = results(*(x.astype(mx.float32) for x in halves))
+    for h, f in zip(got, want):
+        assert rel_err(h.astype(mx.float32), f) < 2 * mx.finfo(mx.bfloat16).eps
+    assert kernel_calls
+    kinds = {kind for kind, _, tile in tiles if tile != "float"}
+    if backend == "cuda":  # halves in every kernel that multiplies them; the backward's 2 x 2 tiles
+        assert kinds == {"walk", "adjoint_walk", "outputs", "chunk_gradients"}
+        assert all(t == (32, 32) for kind, t, _ in tiles if kind == "chunk_gradients")
+    else:
+        assert not kinds
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_strong_decays_keep_their_digits(backend, kernel_calls, readouts,
                                          states_path):
     """Decays of e^-3 to e^-10 a step run the log decay to -600 over a chunk of 64, where a
