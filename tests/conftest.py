@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -91,3 +92,14 @@ def check_vmap_compositions(call, ref, xs, unbatched, want=None):
 
     for g, r in zip(per_example_grad(call)(w, *xs), per_example_grad(ref)(w, *xs)):
         assert rel_err(g, r) < 1e-4
+
+
+def assert_nvcc_compiles(sources, flags=("-arch=sm_90",)):
+    """Compile each CUDA file of ``sources`` with nvcc (``-c``, to nothing), side by side, since
+    nvcc takes seconds a kernel, and assert that every one compiled, with nvcc's errors."""
+    jobs = [(src, subprocess.Popen(["nvcc", "-std=c++17", *flags, "-c", str(src), "-o",
+                                    os.devnull], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)) for src in sources]
+    for src, job in jobs:
+        _, err = job.communicate()
+        assert job.returncode == 0, f"{src.name}: {err}"

@@ -5,9 +5,7 @@ defined."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 import sympy
 
 import mlx_recgen as rg
-from conftest import rel_err
+from conftest import assert_nvcc_compiles, rel_err
 
 INF = float("inf")
 BACKENDS = ["mlx", pytest.param("metal-sim", marks=pytest.mark.sim)]
@@ -160,14 +158,13 @@ def test_nan_constant(backend):
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 def test_cuda_text_with_constants_compiles(tmp_path, kernel):
     """The CUDA text compiles with nvcc (MLX's device header replaced by a stub)."""
+    sources = []
     for rec in (running_max, running_min, masked):
         text = rec.source(kernel, backend="cuda")
         text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"', "#include <cstdint>")
-        src = tmp_path / f"{rec.name}_{kernel}.cu"
-        src.write_text(text)
-        res = subprocess.run(["nvcc", "-std=c++17", "-c", str(src), "-o", os.devnull],
-                             capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
+        sources.append(tmp_path / f"{rec.name}_{kernel}.cu")
+        sources[-1].write_text(text)
+    assert_nvcc_compiles(sources, flags=())
 
 
 

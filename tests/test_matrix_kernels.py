@@ -9,15 +9,13 @@ products, and a planted error in the matrix products that the comparison catches
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
 
 import mlx_recgen as rg
-from conftest import KERNEL_BACKENDS, rel_err
+from conftest import KERNEL_BACKENDS, assert_nvcc_compiles, rel_err
 from references import gla_ref, ssd_ref
 from mlx_recgen.backends import matrix_kernels as mk
 from mlx_recgen.backends.mlx_source import without_mlx_header
@@ -837,21 +835,20 @@ def test_cuda_text_compiles(tmp_path, kind):
     a stand-in."""
     halves = [(True, True, d, n) for d in (mx.bfloat16, mx.float16) for n in (64, 30)] \
         + [(False, True, mx.bfloat16, 64)] if kind in mk.STRIDED else []
+    sources = []
     for units, signed, factors, n in [(u, s, mx.float32, 64) for u in (True, False)
                                       for s in (False, True)] + halves:
         text = mk.matrix_source(kind, "cuda", inclusive=signed, signed=signed, units=units,
                                 diagonal=signed, factors=factors, state_size=n,
                                 lanes=n if n == 64 else 6)
         text = without_mlx_header(text)
-        src = tmp_path / f"{kind}_{units}_{signed}_{str(factors)[-8:]}_{n}.cu"
-        src.write_text(text)
-        res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src), "-o",
-                              os.devnull], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
         # bf16 factors and states: the outputs and backward kernels multiply tiles of them on
         # the matrix units (exact products take floats)
-        halves = units and factors == mx.bfloat16 and kind in ("outputs", "chunk_gradients")
-        assert ("constexpr int LDWH" in text) == halves
+        half_tiles = units and factors == mx.bfloat16 and kind in ("outputs", "chunk_gradients")
+        assert ("constexpr int LDWH" in text) == half_tiles
+        sources.append(tmp_path / f"{kind}_{units}_{signed}_{str(factors)[-8:]}_{n}.cu")
+        sources[-1].write_text(text)
+    assert_nvcc_compiles(sources)
 
 
 def test_the_simulator_runs_uncompiled_where_a_gpu_is_the_default(monkeypatch, kernel_calls):

@@ -11,15 +11,13 @@ stretch, and ``L = 1``."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
 
 import mlx_recgen as rg
-from conftest import KERNEL_BACKENDS, rel_err
+from conftest import KERNEL_BACKENDS, assert_nvcc_compiles, rel_err
 from references import REFERENCES, ZOO_REFERENCES
 import mlx_recgen.schedule as schedule_module
 from mlx_recgen.backends.kernels import kernel_source
@@ -355,14 +353,13 @@ def test_lookback_is_taken_where_the_target_has_it():
 def test_scan_cuda_text_compiles(tmp_path, kernel, dtype, length):
     """The scan kernels' CUDA text compiles with nvcc (MLX's device header replaced by the
     standard and bf16 headers); at 4096 steps of 4 x 64 lanes the forward has the look-back."""
+    sources = []
     for name in SCAN_SPECS:
         text = kernel_source(rg.load_spec(name), kernel, "cuda", dtype, lanes=64,
                              schedule="scan", length=length)
         assert ("scan_words" in text) == (length == 4096)
         text = text.replace('#include "mlx/backend/cuda/device/utils.cuh"',
                             "#include <cstdint>\n#include <cuda_bf16.h>")
-        src = tmp_path / f"{name}_{kernel}.cu"
-        src.write_text(text)
-        res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(src),
-                              "-o", os.devnull], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
+        sources.append(tmp_path / f"{name}_{kernel}.cu")
+        sources[-1].write_text(text)
+    assert_nvcc_compiles(sources)

@@ -13,15 +13,13 @@ is state-affine.
 from __future__ import annotations
 
 import functools
-import os
 import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
 
 import mlx_recgen as rg
-from conftest import KERNEL_BACKENDS, rel_err
+from conftest import KERNEL_BACKENDS, assert_nvcc_compiles, rel_err
 
 
 KERNELS = KERNEL_BACKENDS
@@ -580,14 +578,9 @@ def test_cuda_text_compiles(tmp_path):
     header.write_text("#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n")
     kernels = [("sequential", k, 1100) for k in ("forward", "backward")]
     kernels += [("chunked", k, 40) for k in ("summary", "carry", "adjoint_carry")]
-    jobs = []
+    sources = []
     for schedule, kernel, lanes in kernels:
-        src = tmp_path / f"{schedule}_{kernel}.cu"
-        src.write_text(masked_grouped_attention.source(kernel, backend="cuda", schedule=schedule,
-                                                       dtype={"mask": mx.bool_}, lanes=lanes))
-        jobs.append((src, subprocess.Popen(
-            ["nvcc", "-arch=sm_90", "-std=c++17", "-c", f"-I{tmp_path}", str(src), "-o",
-             os.devnull], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-    for src, job in jobs:
-        _, err = job.communicate()
-        assert job.returncode == 0, f"{src.name}: {err}"
+        sources.append(tmp_path / f"{schedule}_{kernel}.cu")
+        sources[-1].write_text(masked_grouped_attention.source(
+            kernel, backend="cuda", schedule=schedule, dtype={"mask": mx.bool_}, lanes=lanes))
+    assert_nvcc_compiles(sources, flags=("-arch=sm_90", f"-I{tmp_path}"))
