@@ -607,10 +607,16 @@ def _tile(dialect, shape, kind, halves) -> str:
         return "float"
     given = {"chunk_gradients": len(GRADIENT_INPUTS), "outputs": 4,  # c, a, b, starts
              **{k: 2 for k in WALK_KINDS}}.get(kind)
-    if given is None:
-        return "float"
-    half = _half_tile(dialect, halves, range(given))
-    return MatrixRenderer(dialect, shape).tile(kind, None if half == "float" else half)
+    half = "float" if given is None else _half_tile(dialect, halves, range(given))
+    if half == "float":
+        return half
+    # whether the tiles of halves fit: asked on every call (``states_dtype``), so kept
+    key = (dialect.name, dialect.shared_bytes, dialect.dynamic_shared_bytes,
+           dialect.matrix_pads, half, shape, kind)
+    return _TILES.get_or_build(key, lambda: MatrixRenderer(dialect, shape).tile(kind, half))
+
+
+_TILES = LRU(64)  # (the dialect's memory, half type, shape, kind) -> ``_tile``'s answer
 
 
 def _half_tile(dialect, halves, positions) -> str:

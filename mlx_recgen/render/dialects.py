@@ -42,10 +42,13 @@ class Dialect:
     matrix_prelude: str = ""
     # recgen_copy_to_group(dst, src, ok): a float of device memory into group memory (0 where
     # not ok), complete in this thread after recgen_group_copies_done(); then a barrier.
-    # recgen_copy4_to_group(dst, src, n): four floats (or halves, widened), the first n of src
-    # (0 <= n <= 4) and zeros after, where recgen_aligned4(src) holds (four elements at once)
-    # and dst is 16-byte aligned; recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts,
-    # src floats or halves (widened on the way), every fetch of a pass before its puts;
+    # recgen_copy4_to_group(dst, src, n): four floats (or halves, widened, or into a tile of
+    # halves as they are), the first n of src (0 <= n <= 4) and zeros after, where
+    # recgen_aligned4(src) holds (four elements at once) and dst is 16-byte aligned;
+    # recgen_fetch4(dst, src, n) and recgen_put4(dst, fetched): the same in two parts, src
+    # floats or halves (widened on the way), every fetch of a pass before its puts;
+    # recgen_group_copies_commit() and recgen_group_copies_done_but<N>(): the copies issued
+    # since the last commit as a group, and a wait for all but the N groups committed last;
     # recgen_load4(p) and recgen_store4(p, x): four floats of group or device memory at p,
     # 16-byte aligned (a store to device memory of halves rounds them, 8-byte aligned);
     # recgen_store1(p, x): one float to device memory of floats or halves
