@@ -341,7 +341,9 @@ def test_bf16_over_several_tiles_of_the_state(backend, kernel_calls, monkeypatch
     multiplies tiles of bf16 (``matrix_kernels._tile``), the backward's over two tiles of K and
     two of V, the outputs' and walks' over one. Outputs, final state and the gradients of q, k,
     v and the initial state agree with the same call on the inputs' values in fp32 within two
-    bf16 epsilons (the rounded weights and rows; the gate stays fp32)."""
+    bf16 epsilons (the rounded weights and rows). The gate is bf16 too: with an fp32 gate the
+    call's outputs, and so their cotangent, would be fp32, and the backward's kernels would
+    multiply floats (``_tile``: halves only where every factor is one)."""
     monkeypatch.setattr(mk, "WALK_GROUPS", 1)
     monkeypatch.setitem(mk.WALKS, backend, True)
     tiles = []
@@ -358,9 +360,9 @@ def test_bf16_over_several_tiles_of_the_state(backend, kernel_calls, monkeypatch
     v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
     g = mx.random.uniform(0.8, 1.0, (b, L, H))
     gla = rg.load_spec("gla")
-    halves = [x.astype(mx.bfloat16) for x in (q, k, v)]
+    halves = [x.astype(mx.bfloat16) for x in (q, k, v, g)]
 
-    def results(q, k, v):
+    def results(q, k, v, g):
         def loss(q, k, v, S0):
             y, S = gla(q, k, v, g, initial_state=S0, return_state=True, backend=backend,
                        schedule="matrix", seg=64)
