@@ -118,6 +118,19 @@ WALK_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 _CHUNK_SUMS = {"states": ("tail", "whole"), "adjoint": ("row", "whole"),
                "outputs": ("row", "spans"), "weights": ("spans",), "weights_adjoint": ("spans",),
                "chunk_gradients": ("row", "tail", "spans")}
+
+
+def chunk_sums(kind: str, half: bool = False) -> tuple:
+    """The per-chunk sums ``kind``'s kernel reads (``_CHUNK_SUMS``). Where its products take
+    tiles of halves (``half``), the causal weights' exponents are differences of two running
+    sums, ``R_t - Λ_j`` (\"running\": the arrays ``row_cum`` and ``cum``), as FLA's kernels form
+    them, in place of a sum over each exponent's own range (\"spans\"): the difference is off
+    by a few units in the last place of ``Λ`` (5e-4 at -6400, log d's floor over a chunk of 64,
+    where every weight but the diagonal's is 0 anyway), at most the size of the weight's own
+    rounding to a half, and two loads and a subtraction where the range sum took a branch and
+    four loads."""
+    sums = _CHUNK_SUMS.get(kind, ())
+    return tuple("running" if key == "spans" else key for key in sums) if half else sums
 # The backward's tiles of K and V (``gradient_tiles``), largest first: its group memory holds
 # two [C, C] arrays beside two tiles of the chunk's rows, two of its states and two products
 GRADIENT_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (16, 16))
@@ -173,17 +186,19 @@ def _aligned(floats: int) -> int:
     return -(-floats // 4) * 4
 
 
-def _step_arrays(kind: str, C: int, signed: bool) -> list:
+def _step_arrays(kind: str, C: int, signed: bool, half: bool = False) -> list:
     """The per-step values of ``matrix_cumulate.j2``: log d and its sums within groups of 8
-    steps, the sums the kernel reads (``_CHUNK_SUMS``), and the signs' running
+    steps, the sums the kernel reads (``chunk_sums``), and the signs' running
     products for a decay of unknown sign."""
+    sums = chunk_sums(kind, half)
     names = ["step_log", "part", "part_before"]
-    names += [name for key, name in (("whole", "cum"), ("row", "row_exp"), ("tail", "tail_exp"))
-              if key in _CHUNK_SUMS.get(kind, ())]
+    names += ["cum"] if {"whole", "running"} & set(sums) else []
+    names += ["row_cum"] if "running" in sums else []
+    names += [name for key, name in (("row", "row_exp"), ("tail", "tail_exp"))
+              if key in sums]
     if signed:
         names += ["step_sign", "sign_part", "sign_part_before", "par", "row_par"]
-    spans = [("group_spans", "(C / 8) * (C / 8)", (C // 8) ** 2)] \
-        if "spans" in _CHUNK_SUMS.get(kind, ()) else []
+    spans = [("group_spans", "(C / 8) * (C / 8)", (C // 8) ** 2)] if "spans" in sums else []
     return [(n, "C", C) for n in names] + spans
 
 
@@ -276,7 +291,7 @@ def group_arrays(kind: str, C: int, KT: int, VT: int, pads=(0, 0), signed=False,
         own = []
     else:  # the chains and the gradients kernel keep nothing in group memory
         return []
-    return own + _step_arrays(kind, C, signed)
+    return own + _step_arrays(kind, C, signed, half)
 
 
 def output_pads(KT: int, VT: int, pads=(0, 0), half=False) -> tuple:
@@ -467,7 +482,7 @@ class MatrixRenderer:
                     vector_copies=kind in VECTOR_COPIES,
                     products=kind in ("states", "adjoint", "outputs", "chunk_gradients",
                                       *WALK_KINDS),
-                    sums=_CHUNK_SUMS.get(kind, ()), K=s.K, V=s.V, KT=KT, VT=VT,
+                    sums=chunk_sums(kind, half), K=s.K, V=s.V, KT=KT, VT=VT,
                     log_floor=f"{LOG_FLOOR!r}f" if kind in (*_CHUNK_SUMS, *WALK_KINDS) else None,
                     NT=group_threads(kind),
                     units=s.units, i64=self.d.int64, signed=s.signed, inclusive=s.inclusive,
