@@ -492,13 +492,16 @@ class Recurrence:
             if hit is not None:
                 plan, zero_states = hit
                 states = [initial_state] if initial_state is not None else list(zero_states)
-                return plan.package(*plan.run(list(args), states), return_state)
+                return plan.package(*plan.run(list(args), states,
+                                              (initial_state is not None, return_state)),
+                                    return_state)
         call = self.check(*args, initial_state=initial_state, **kwargs)
         plan = self.plan_for(call, backend=backend, seg=seg, schedule=schedule)
         if key is not None:
             self._checked[key] = (plan, _kept_zeros(call.states) if initial_state is None
                                   else None)
-        return plan.package(*plan.run(call.inputs, call.states), return_state)
+        return plan.package(*plan.run(call.inputs, call.states,
+                                      (initial_state is not None, return_state)), return_state)
 
     def check(self, *args, initial_state=None, **kwargs) -> "CheckedCall":
         """The arguments of a call (inputs positionally or by name, ``initial_state``, kernel
@@ -723,10 +726,16 @@ class CallPlan:
         spec = self.recurrence.spec
         return len(spec.outputs), len(spec.states)
 
-    def run(self, inputs, states) -> tuple:
-        """(outputs, final states) of the call on these checked arrays."""
+    def run(self, inputs, states, ends=(True, True)) -> tuple:
+        """(outputs, final states) of the call on these checked arrays. ``ends``: whether the
+        initial states were given (else they are zeros) and whether the final states are
+        wanted; the direct path then neither reads zeros nor forms unwanted final states
+        (``MatrixForm.direct``), and gives none of them."""
         n_out, n_state = self._counts
-        results = self._path(*inputs, *states)
+        if self.decode is None and self.direct is not None:
+            results = self.direct(*inputs, *states, ends=ends)
+        else:
+            results = self._path(*inputs, *states)
         return list(results[:n_out]), list(results[n_out:n_out + n_state])
 
     def package(self, outs, finals, return_state):

@@ -387,6 +387,53 @@ def test_bf16_over_several_tiles_of_the_state(backend, kernel_calls, monkeypatch
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("given, returned", [(False, False), (True, False), (False, True)])
+def test_the_walks_skip_the_ends_a_call_does_not_need(backend, given, returned, kernel_calls,
+                                                      monkeypatch):
+    """A call without ``initial_state`` runs walks that start from zero without reading a
+    state, and a call that does not return its final state runs walks that write none (nor its
+    adjoint walk reads the zero cotangent of one): ``MatrixKernels.states``' ``ends``. The
+    outputs, the final state where returned and every gradient (the initial state's where
+    given) agree with the paper's loop."""
+    monkeypatch.setattr(mk, "WALK_GROUPS", 1)
+    monkeypatch.setitem(mk.WALKS, backend, True)
+    walks = []
+    kernel_of = mk.MatrixKernels._kernel
+
+    def spy(self, shape, kind, inputs=(), outputs=(), ends=(True, True)):
+        if kind in WALK_KINDS:
+            walks.append((kind, ends))
+        return kernel_of(self, shape, kind, inputs, outputs, ends)
+
+    monkeypatch.setattr(mk.MatrixKernels, "_kernel", spy)
+    mx.random.seed(11)
+    b, L, H, K, V = 2, 100, 2, 16, 8
+    q, k = mx.random.normal((b, L, H, K)), mx.random.normal((b, L, H, K))
+    v, S0 = mx.random.normal((b, L, H, V)), mx.random.normal((b, H, K, V))
+    g = mx.random.uniform(0.8, 1.0, (b, L, H))
+    w = mx.random.normal((b, L, H, V))
+    gla = rg.load_spec("gla")
+
+    def loss(q, k, v, g, S0):
+        r = gla(q, k, v, g, initial_state=S0 if given else None, return_state=returned,
+                backend=backend, schedule="matrix", seg=32)
+        return mx.sum(r[0] * w) + mx.sum(r[1] * r[1]) if returned else mx.sum(r * w)
+
+    def loss_ref(q, k, v, g, S0):
+        y, S = gla_ref(q, k, v, g, S0=S0 if given else None)
+        return mx.sum(y * w) + (mx.sum(S * S) if returned else 0.0)
+
+    args = [q, k, v, g, S0]
+    argnums = (0, 1, 2, 3, 4) if given else (0, 1, 2, 3)
+    got = mx.value_and_grad(loss, argnums=argnums)(*args)
+    want = mx.value_and_grad(loss_ref, argnums=argnums)(*args)
+    for x, y in zip([got[0], *got[1]], [want[0], *want[1]]):
+        assert rel_err(x, y) < _tol(backend)
+    assert kernel_calls
+    assert set(walks) == {("walk", (given, returned)), ("adjoint_walk", (returned, given))}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_strong_decays_keep_their_digits(backend, kernel_calls, readouts,
                                          states_path):
     """Decays of e^-3 to e^-10 a step run the log decay to -600 over a chunk of 64, where a

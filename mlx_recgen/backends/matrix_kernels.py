@@ -48,7 +48,7 @@ import re
 
 import mlx.core as mx
 
-from ..function import first_order_only, opaque
+from ..function import first_order_only, opaque, zero_state
 from ..matrix import LOG_FLOOR
 from ..memo import LRU
 from ..render.dialects import DIALECTS
@@ -147,11 +147,12 @@ class MatrixKernels:
                                          build)
 
     @staticmethod
-    def _text(dialect, shape, kind, halves=()):
+    def _text(dialect, shape, kind, halves=(), ends=(True, True)):
         """(name, input names, output names, body, header) of a kernel: ``KERNELS``.
         ``halves``: the inputs given in half precision (``_halves``); the text is the same for
         every dtype (the copies into group memory widen halves), the name is not, except where
-        the kernel's tiles hold halves as given (``_tile``)."""
+        the kernel's tiles hold halves as given (``_tile``). ``ends``, of a walk: whether it
+        reads the state it starts from and writes the one it ends at (``states``)."""
         if kind not in KERNELS:
             raise ValueError(f"the matrix schedule's kernels are {KERNELS}, got {kind!r}")
         r = MatrixRenderer(dialect, shape)
@@ -176,8 +177,9 @@ class MatrixKernels:
             ins = GRADIENT_INPUTS[:4] + ["log_d", *signs] + GRADIENT_INPUTS[4:]
             outs = ["dc", "da", "db", "d_log_d"]
         elif kind in WALK_KINDS:
-            body = r.walk(reverse=kind == "adjoint_walk", tile=tile)
-            ins, outs = ["x", "y", "log_d", *signs, "init"], ["states", "last"]
+            body = r.walk(reverse=kind == "adjoint_walk", tile=tile, ends=ends)
+            ins = ["x", "y", "log_d", *signs, *(["init"] if ends[0] else [])]
+            outs = ["states", *(["last"] if ends[1] else [])]
         elif kind in ("chain", "adjoint_chain"):
             body = r.chain(reverse=kind == "adjoint_chain")
             ins, outs = ["local", "decay", "init", "dims"], ["states", "last"]
@@ -195,10 +197,11 @@ class MatrixKernels:
         return self._factory(name=name, input_names=ins, output_names=outs, source=body,
                              header=header, **launch)
 
-    def _kernel(self, shape, kind, inputs=(), outputs=()):
+    def _kernel(self, shape, kind, inputs=(), outputs=(), ends=(True, True)):
         """The kernel ``kind`` of ``shape`` for ``inputs`` (the factors it reads, and the states
         where it reads them) and the dtypes of its first ``outputs`` (the gradients or the
-        states it writes, else fp32), any of which may be in half precision (``_halves``)."""
+        states it writes, else fp32), any of which may be in half precision (``_halves``);
+        ``ends``: a walk's (``_text``)."""
         halves = _halves([x.dtype for x in inputs]) + _halves(outputs, "o")
 
         def build():
@@ -207,10 +210,10 @@ class MatrixKernels:
             # group memory beyond the declared arrays' limit is sized at launch (CUDA's dynamic
             # shared memory)
             launch = {"shared_memory": memory.bytes} if memory.dynamic else {}
-            return self._make(self._text(self.dialect, shape, kind, halves),
+            return self._make(self._text(self.dialect, shape, kind, halves, ends),
                               ensure_row_contiguous=kind not in STRIDED, **launch)
 
-        return self._kernels.get_or_build((shape, kind, halves), build)
+        return self._kernels.get_or_build((shape, kind, halves, ends), build)
 
     def switches(self) -> tuple:
         """This backend's entries of the module's switches between kernels (``WALKS``,
@@ -239,12 +242,14 @@ class MatrixKernels:
             return False
         return instances * _tile_count(shape.K, shape.V, shape.walk_tiles) >= WALK_GROUPS
 
-    def states(self, shape, x, y, log_d, sign, init, reverse=False):
+    def states(self, shape, x, y, log_d, sign, init, reverse=False, last=True):
         """The state entering every chunk ``(I, nc, K, V)`` and the last one (walked newest
         first: the gradient leaving every chunk, and the initial state's). ``sign``: the
-        decay's ``±1`` per step, for a shape that is ``signed`` (else None). One walk through
-        the chunks where ``walk`` says so; else two launches, every chunk's state from zero at
-        once, then the chain through the chunks."""
+        decay's ``±1`` per step, for a shape that is ``signed`` (else None); ``init`` None: the
+        state starts at zero; ``last`` False: the last state is not wanted (None in its
+        place). One walk through the chunks where ``walk`` says so, which then neither reads a
+        zero start nor writes an unwanted end; else two launches, every chunk's state from
+        zero at once, then the chain through the chunks."""
         x, y = _one_batch(x, y)
         T, K = x.shape[-2:]
         I, V = math.prod(x.shape[:-2]), y.shape[-1]
@@ -253,23 +258,30 @@ class MatrixKernels:
         if self.walk(shape, I):
             threads = group_threads("walk")
             states = self.states_dtype(shape, x, y)
-            return self._kernel(shape, "adjoint_walk" if reverse else "walk", (x, y), (states,))(
+            ends = (init is not None, last)
+            kernel = self._kernel(shape, "adjoint_walk" if reverse else "walk", (x, y),
+                                  (states,), ends)
+            results = kernel(
                 # the initial state read row-contiguous (the walk reads x and y where they lie)
-                inputs=[x, y, log_d, *_signs(sign), mx.contiguous(init)],
+                inputs=[x, y, log_d, *_signs(sign), *([mx.contiguous(init)] if ends[0] else [])],
                 grid=(I * _tile_count(K, V, shape.walk_tiles) * threads, 1, 1),
                 threadgroup=(threads, 1, 1),
-                output_shapes=[(I, nc, K, V), (I, K, V)],
-                output_dtypes=[states, mx.float32])
+                output_shapes=[(I, nc, K, V), *([(I, K, V)] if last else [])],
+                output_dtypes=[states, *([mx.float32] if last else [])])
+            return results[0], results[1] if last else None
+        if init is None:
+            init = zero_state((I, K, V))
         tiles = _tile_count(K, V, shape.state_tiles)
         local, decay = self._kernel(shape, "adjoint" if reverse else "states", (x, y))(
             inputs=[x, y, log_d, *_signs(sign)],
             grid=(I * nc * tiles * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, nc, K, V), (I, nc)], output_dtypes=[mx.float32, mx.float32])
         elements = -(-(I * K * V) // THREADS) * THREADS
-        return self._kernel(shape, "adjoint_chain" if reverse else "chain")(
+        starts, end = self._kernel(shape, "adjoint_chain" if reverse else "chain")(
             inputs=[local, decay, init, mx.array([T, I], dtype=mx.int32)],
             grid=(elements, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(I, nc, K, V), (I, K, V)], output_dtypes=[mx.float32, mx.float32])
+        return starts, end if last else None
 
     def outputs(self, shape, c, a, b, log_d, sign, starts, out=mx.float32):
         """The readouts ``(*batch, T, V)`` of the chunks (``c``'s batch axes, in the dtype
@@ -416,18 +428,24 @@ class MatrixKernels:
         return scores
 
     # -- the custom function ---------------------------------------------------------------------
-    def core(self, shape, grads=None, out=mx.float32):
+    def core(self, shape, grads=None, out=mx.float32, ends=(True, True)):
         """``(c, a, b, log_d, sign, S0) -> (y, S_final, S_start)`` with its VJP (module
         docstring), ``y`` in ``c``'s batch shape (``outputs``); ``sign`` is read for a
         ``signed`` shape only (pass any array else).
         ``grads``: the dtypes of the gradients of ``c``, ``a`` and ``b`` (fp32 by default; half
         precision for a factor whose gradient is final, nothing added to it after); ``out``:
-        the readouts' (half precision where they are the call's outputs as they are)."""
+        the readouts' (half precision where they are the call's outputs as they are);
+        ``ends``: whether the initial state is given (else it is zero: ``S0`` is not read and
+        its gradient is zeros, never formed) and whether the final state is wanted (else the
+        core gives ``(y, S_start)``: where the walk runs, no final state is written in the
+        forward and no zero cotangent of it filled and read in the backward)."""
         grads = tuple(grads or _FP32_GRADS)
-        return self._cores.get_or_build((shape, grads, out),
-                                        lambda: self._build_core(shape, grads, out))
+        return self._cores.get_or_build((shape, grads, out, ends),
+                                        lambda: self._build_core(shape, grads, out, ends))
 
-    def _build_core(self, shape, grads, out):
+    def _build_core(self, shape, grads, out, ends):
+        initial, final = ends
+
         # c, a, b: (*batch, T, X), read where they lie by the forward's kernels; the VJP and the
         # forward-mode rule take them as (instance, T, X)
         @mx.custom_function
@@ -436,12 +454,15 @@ class MatrixKernels:
             # (``function.opaque``), vmap each kernel's guard (``kernels.kernel_factory``)
             c, a, b, log_d, sign, init = opaque([c, a, b, log_d, sign, init], self.backend)
             sign = sign if shape.signed else None
-            starts, last = self.states(shape, a, b, log_d, sign, init)
-            return self.outputs(shape, c, a, b, log_d, sign, starts, out), last, starts
+            starts, last = self.states(shape, a, b, log_d, sign, init if initial else None,
+                                       last=final)
+            y = self.outputs(shape, c, a, b, log_d, sign, starts, out)
+            return (y, last, starts) if final else (y, starts)
 
-        def backward(c, a, b, log_d, sign, dy, d_last, starts):
+        def backward(c, a, b, log_d, sign, init, dy, starts, *d_last):
             signs = sign if shape.signed else None
-            leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last, reverse=True)
+            leaving, d_init = self.states(shape, c, dy, log_d, signs, d_last[0] if final else None,
+                                          reverse=True, last=initial)
             if shape.gradient_tiles is None or GRADIENTS_BY_MATMULS.get(self.backend, False):
                 T = c.shape[-2]
                 dc, da, db, d_log_d = self._chunk_gradients(shape, *_instances(c, a, b, dy),
@@ -457,15 +478,16 @@ class MatrixKernels:
             # whose input has other uses gets them summed before one rounding
             # (``mlx_matrix.read_as_given``)
             return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape),
-                    d_log_d.reshape(log_d.shape), mx.zeros_like(sign), d_init)
+                    d_log_d.reshape(log_d.shape), mx.zeros_like(sign),
+                    d_init if initial else mx.zeros_like(init))
 
         # the kernels in the VJP have no derivatives: a second derivative raises
         backward = first_order_only(backward, self.backend)
 
         @core.vjp
         def core_vjp(primals, cotangents, outputs):
-            c, a, b, log_d, sign, _ = primals
-            return backward(c, a, b, log_d, sign, cotangents[0], cotangents[1], outputs[2])
+            # the final state's cotangent where the core gives it
+            return backward(*primals, cotangents[0], outputs[-1], *cotangents[1:-1])
 
         @core.jvp
         def core_jvp(primals, tangents):
@@ -475,9 +497,11 @@ class MatrixKernels:
             moving = (0, 1, 2, 3, 5)  # every argument but the sign
 
             def values(c, a, b, log_d, init):
-                y, last, starts = core_in_ops(shape, *_instances(c, a, b), log_d, sign, init)
-                return (y.astype(out).reshape(*c.shape[:-1], y.shape[-1]), last,
-                        starts.astype(self.states_dtype(shape, a, b)))
+                y, last, starts = core_in_ops(shape, *_instances(c, a, b), log_d, sign,
+                                              init if initial else mx.zeros_like(init))
+                y = y.astype(out).reshape(*c.shape[:-1], y.shape[-1])
+                starts = starts.astype(self.states_dtype(shape, a, b))
+                return (y, last, starts) if final else (y, starts)
 
             return mx.jvp(values, [primals[i] for i in moving],
                           [mx.zeros_like(primals[i]) if tangents[i] is None else tangents[i]

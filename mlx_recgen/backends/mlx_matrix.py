@@ -482,14 +482,16 @@ class MatrixForm(SequentialForm):
 
     # -- one call --------------------------------------------------------------------------------
     def run(self, inputs, states, sizes, seg, operands=mx.float32, transitions=False,
-            out_dtype=mx.float32):
+            out_dtype=mx.float32, ends=(True, True)):
         """Outputs (canonical, ``(*batch, T, V, 1)``, fp32, or ``out_dtype`` where the kernels
         write an output as it is: ``plain``) and final states (``(*batch, K, V)``).
         ``operands``: the dtype of the products' operands within a chunk (accumulation and
         the states between chunks stay fp32). ``transitions``: instead, ``(P, final states)`` with
         ``P`` every state's ``K x K`` map of the whole call, ``S_end = P S_start + b``, per
         instance, and the final states from ``states`` (``b`` from zero states; delta-rule
-        states only: sequence parallelism's summaries)."""
+        states only: sequence parallelism's summaries). ``ends``: whether the initial states
+        are given (else zeros) and the final states wanted, for the kernels' core
+        (``MatrixKernels.core``; a final state it does not give is None)."""
         spec = self.rec.spec
         nb = len(spec.batch_axes)
         T = sizes[spec.time]
@@ -515,7 +517,7 @@ class MatrixForm(SequentialForm):
             if served is not None:
                 shape, i = served
                 y, S = self._run_core(shape, st, s, i, f, half, members, S0,
-                                      out_dtype if i in self.plain else mx.float32)
+                                      out_dtype if i in self.plain else mx.float32, ends)
                 _add_to(direct, i, y)
                 finals.append(S)
                 continue
@@ -642,18 +644,19 @@ class MatrixForm(SequentialForm):
         shape = self.kernels.shape(kernel_chunk(seg), K, V, inclusive, signed, diagonal=diagonal)
         return None if shape is None else (shape, i)
 
-    def _run_core(self, shape, st, s, i, f, half, members, S0, out=mx.float32):
+    def _run_core(self, shape, st, s, i, f, half, members, S0, out=mx.float32,
+                  ends=(True, True)):
         """Readouts ``(*batch, T, V)`` (in the dtype ``out``) and final state of state ``s``
-        from the kernels' core of ``shape``, on the factors ``f`` (those given in half
-        precision as given, ``half``: their gradients in that precision where nothing else
-        reads their input)."""
+        (None where ``ends`` says it is not wanted) from the kernels' core of ``shape``, on the
+        factors ``f`` (those given in half precision as given, ``half``: their gradients in
+        that precision where nothing else reads their input)."""
         nb = len(self.rec.spec.batch_axes)
         batch, (K, V) = S0.shape[:nb], S0.shape[nb:]
         keys = [("c", s, i, None), ("a", s, None, 0), ("b", s, None, 0)]
         c, a, b = (_spread(members, self.level[k], half.get(k, f[k])) for k in keys)
         grads = [half[k].dtype if k in half and k in self.alone and self.level[k] is None
                  else mx.float32 for k in keys]
-        core = self.kernels.core(shape, grads, out)
+        core = self.kernels.core(shape, grads, out, ends)
         T = f[("log_decay", s, None, None)].shape[-2]
         # the factors and log d as (*batch, T, X) and (*batch, T) views, read where they lie
         # (``matrix_kernels.STRIDED``; the kernels floor log d as they read it)
@@ -667,8 +670,8 @@ class MatrixForm(SequentialForm):
         # way to d
         sign = _NO_SIGN if st.positive else \
             mx.stop_gradient(flat(sign_of(f[("decay", s, None, None)]))[..., 0])
-        y, S, _ = core(lead(c), lead(a), lead(b), log_d, sign, S0.reshape(-1, K, V))
-        return y, S.reshape(*batch, K, V)
+        results = core(lead(c), lead(a), lead(b), log_d, sign, S0.reshape(-1, K, V))
+        return results[0], results[1].reshape(*batch, K, V) if ends[1] else None
 
     def _solve_reads(self, st, s, f, terms, log_d, between, from_start, to_end, whole, signs, U,
                      S0, chunks, members):
@@ -809,23 +812,26 @@ class MatrixForm(SequentialForm):
         outputs = [from_canonical(spec, t, [parts[(t.name, c)] for c in range(t.components)],
                                   reduce_missing=False).astype(out_dtype)
                    for t in spec.outputs.values()]
+        if finals is None:  # not wanted
+            return outputs, []
         last = {st.symbol: mx.swapaxes(S, -1, -2)[None] for st, S in
                 zip(self.form.states, finals)}
         return outputs, self._declared(last, self.table.states)
 
     # -- the backend's interface -----------------------------------------------------------------
-    def _call_declared(self, sizes, seg, out_dtype, *arrays):
-        """Outputs (in ``out_dtype``) and final states in their declared layouts, from the
-        inputs and the initial states: the whole computation, for ``mx.compile``.
-        Half-precision inputs (all of the floating-point ones) multiply in their dtype within a
-        chunk."""
+    def _call_declared(self, sizes, seg, out_dtype, ends, *arrays):
+        """Outputs (in ``out_dtype``) and final states in their declared layouts (none where
+        ``ends`` says they are not wanted: ``direct``), from the inputs and the initial
+        states: the whole computation, for ``mx.compile``. Half-precision inputs (all of the
+        floating-point ones) multiply in their dtype within a chunk."""
         n = len(self.rec.spec.inputs)
         floats = {x.dtype for x in arrays[:n] if mx.issubdtype(x.dtype, mx.floating)}
         operands = floats.pop() if len(floats) == 1 and floats <= {mx.bfloat16, mx.float16} \
             else mx.float32
         outs, finals = self.run(list(arrays[:n]), list(arrays[n:]), dict(sizes), seg, operands,
-                                out_dtype=out_dtype)
-        outputs, finals = self._results(outs, finals, out_dtype, dict(sizes))
+                                out_dtype=out_dtype, ends=ends)
+        outputs, finals = self._results(outs, finals if ends[1] else None, out_dtype,
+                                        dict(sizes))
         return (*outputs, *finals)
 
     def _compiles(self) -> bool:
@@ -838,13 +844,14 @@ class MatrixForm(SequentialForm):
         return mx.default_device().type == mx.gpu and (
             not self._kernels_on() or self.kernels.backend in COMPILED_BACKENDS)
 
-    def _compiled(self, sizes, seg, out_dtype):
-        """The computation for these sizes, compiled where ``_compiles``."""
+    def _compiled(self, sizes, seg, out_dtype, ends=(True, True)):
+        """The computation for these sizes, compiled where ``_compiles``; ``ends`` as
+        ``direct``'s."""
         key = (tuple(sorted(sizes.items())), seg, self._compiles(), self._switches(),
-               out_dtype)
+               out_dtype, ends)
 
         def build():
-            call = functools.partial(self._call_declared, key[0], seg, out_dtype)
+            call = functools.partial(self._call_declared, key[0], seg, out_dtype, ends)
             return mx.compile(call) if key[2] else call
 
         return self._compiled_calls.get_or_build(key, build)
@@ -860,18 +867,24 @@ class MatrixForm(SequentialForm):
         (benchmarks/results/bench-matrix-direct-H100-2026-11-25.md). With MLX ops alone,
         derivatives of any order and vmap are MLX's; through the core, forward mode runs its
         MLX-op form (``core_in_ops``), while a second derivative and vmap raise (the kernels
-        have none)."""
+        have none).
+
+        ``run(*arrays, ends=(initial, final))``: ``initial`` False where the initial states
+        are the zeros of a call without ``initial_state``, ``final`` False where the call does
+        not return its final states (then none are given): the kernels' core then neither
+        reads the one nor writes the other, and no zero cotangent of an unused final state is
+        filled for the backward (``MatrixKernels.core``)."""
         n_in = len(self.rec.spec.inputs)
 
-        def run(*arrays):
+        def run(*arrays, ends=(True, True)):
             outs, finals, _ = self.forward(list(arrays[:n_in]), list(arrays[n_in:]), sizes, seg,
-                                           out_dtype)
+                                           out_dtype, ends)
             return (*outs, *finals)
 
         return run
 
-    def forward(self, inputs, states, sizes, seg, out_dtype):
-        results = self._compiled(sizes, seg, out_dtype)(*inputs, *states)
+    def forward(self, inputs, states, sizes, seg, out_dtype, ends=(True, True)):
+        results = self._compiled(sizes, seg, out_dtype, ends)(*inputs, *states)
         n_out = len(self.rec.spec.outputs)
         return list(results[:n_out]), list(results[n_out:]), []
 
@@ -891,7 +904,7 @@ class MatrixForm(SequentialForm):
                     xs = list(inputs)
                     for i, x in zip(diff, primals[:len(diff)]):
                         xs[i] = x
-                    return self._call_declared(key[1], seg, mx.float32, *xs,
+                    return self._call_declared(key[1], seg, mx.float32, (True, True), *xs,
                                                *primals[len(diff):])
 
                 primals = [inputs[i] for i in diff] + states

@@ -530,13 +530,15 @@ class MatrixRenderer:
         ctx.update(reverse=reverse, **self._scaled_rows(reverse))
         return environment().get_template("matrix_states.j2").render(**ctx)
 
-    def walk(self, reverse: bool, tile: str = "float") -> str:
+    def walk(self, reverse: bool, tile: str = "float", ends=(True, True)) -> str:
         """The walk (``reverse``: its adjoint's); ``tile``: the type of its tiles of ``x`` and
         ``y``, ``float`` or (``Dialect.half_tiles``) the factors' half type, which the product
-        then takes as it is."""
+        then takes as it is; ``ends``: whether it reads the state it starts from (``init``;
+        else zero) and writes the one it ends at (``last``)."""
         kind = "adjoint_walk" if reverse else "walk"
         ctx = self._context(kind, tile)
-        ctx.update(reverse=reverse, **self._scaled_rows(reverse))
+        ctx.update(reverse=reverse, reads_init=ends[0], writes_last=ends[1],
+                   **self._scaled_rows(reverse))
         return environment().get_template("matrix_walk.j2").render(**ctx)
 
     def _scaled_rows(self, reverse: bool) -> dict:
