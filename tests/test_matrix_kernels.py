@@ -248,10 +248,10 @@ def test_half_factors_reach_the_kernels_as_given(name, dtype, backend, kernel_ca
     read, written = [], []
     kernel = mk.MatrixKernels._kernel
 
-    def spy(self, shape, kind, factors=(), grads=()):
+    def spy(self, shape, kind, factors=(), grads=(), *ends):
         read.append((kind, [x.dtype for x in factors]))
         written.append((kind, list(grads)))
-        return kernel(self, shape, kind, factors, grads)
+        return kernel(self, shape, kind, factors, grads, *ends)
 
     monkeypatch.setattr(mk.MatrixKernels, "_kernel", spy)
 
