@@ -48,7 +48,7 @@ import re
 
 import mlx.core as mx
 
-from ..function import first_order_only, opaque, zero_state
+from ..function import first_order_only, opaque, unread_zeros, zero_state
 from ..matrix import LOG_FLOOR
 from ..memo import LRU
 from ..render.dialects import DIALECTS
@@ -477,9 +477,11 @@ class MatrixKernels:
             # fp32 gradients unless ``grads`` says otherwise: a factor given in half precision
             # whose input has other uses gets them summed before one rounding
             # (``mlx_matrix.read_as_given``)
+            # none for the sign (piecewise constant), nor for a zero initial state (a
+            # constant of the call): views of a kept zero, not fills
             return (dc.reshape(c.shape), da.reshape(a.shape), db.reshape(b.shape),
-                    d_log_d.reshape(log_d.shape), mx.zeros_like(sign),
-                    d_init if initial else mx.zeros_like(init))
+                    d_log_d.reshape(log_d.shape), unread_zeros(sign.shape),
+                    d_init if initial else unread_zeros(init.shape))
 
         # the kernels in the VJP have no derivatives: a second derivative raises
         backward = first_order_only(backward, self.backend)
