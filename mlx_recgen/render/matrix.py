@@ -489,6 +489,8 @@ class MatrixRenderer:
                     diagonal=s.diagonal,  # the causal weights' columns j of row t, and the others
                     causal="j <= t" if s.diagonal else "j < t",
                     masked="j > t" if s.diagonal else "j >= t",
+                    # a run of 32 columns from 32 h on, all of them masked
+                    masked_run="32 * h > t" if s.diagonal else "32 * h >= t",
                     LDX=KT + cols, LDY=VT + cols,  # the states kernel's Xᵀ and Y
                     LDC=LDC, LDW=LDW, LDB=LDB, LDWH=s.C + HALF_PAD, tile=tile, half=half,
                     # the outputs kernel's S_start (read by columns); the backward's S and G
