@@ -93,10 +93,8 @@ import mlx.core as mx
 import numpy as np
 
 from .affine import with_dependencies
-from .backends import kernels as _kernels
 from .backends.mlx_chunked import apply_multiplier, compose_multipliers
 from .backends.reference import Evaluator
-from .errors import dtype_name
 from .layout import declared_shape, from_canonical, to_canonical
 from .schedule import matrix_chunk
 from .spec import Slot
@@ -589,10 +587,10 @@ class _Segments:
     per-segment summaries (see the module docstring): every kernel of one device's forward and
     backward runs once, and nothing twice.
 
-    Kernel buffers hold one state per segment as ``[segment, instance, component, NS or 1,
-    lane]`` and block ``b``'s products as ``[segment, instance, row * K + col, NS or 1, lane]``
-    (``render/chunked.py``); instances enumerate the batch axes, row-major. The passes are those
-    of ``KernelBackend._forward_chunked`` and ``_backward_chunked``, cut at the carries."""
+    The passes are the backend's chunked ones (``backends.kernels.ChunkedPasses``, whose
+    buffers hold a state per segment as ``[segment, instance, component, NS or 1, lane]``),
+    composed as its forward and backward compose them but cut at the carries, which the ranks
+    compose across devices."""
 
     @staticmethod
     def applies(rec, impl, options) -> bool:
@@ -604,21 +602,11 @@ class _Segments:
                         for t in spec.states.values()))
 
     def __init__(self, rec, impl, seg, sizes, out_dtype, options, states):
-        self.rec, self.impl, self.sizes, self.out_dtype = rec, impl, sizes, out_dtype
+        self.rec, self.sizes, self.out_dtype = rec, sizes, out_dtype
         self.spec = spec = rec.spec
-        self.n_state = len(spec.states)
-        self.sch = impl._schedule(sizes, seg, options.get("threads"), kind="chunked")
-        instances = impl._launch(sizes, self.sch)[0]
-        self.values = impl._state_buffer_shapes(sizes, self.sch, instances)
-        self.shares = impl._state_buffer_shapes(sizes, self.sch, instances, shares=True)
-        self.products = impl._product_shapes(sizes, self.sch, instances)
-        self.hits = impl._hits_shapes(sizes, self.sch, instances)
+        self.passes = impl.chunked(sizes, seg, options.get("threads"))
         self.where = {Slot(t.name, c): (n, c)  # each slot's state buffer and component
                       for n, t in enumerate(spec.states.values()) for c in range(t.components)}
-
-    def _run(self, kind, meta, inputs, shapes, dtypes, dtypes_text, template=()):
-        return list(self.impl._run(kind, self.sch, self.sizes, meta, inputs, shapes, dtypes,
-                                   dtypes_text, template))
 
     def _canonical(self, x):
         """One segment's ``[instance, NS or 1, lane]`` as ``(batch..., lane, NS or 1)``."""
@@ -647,69 +635,35 @@ class _Segments:
         return products, offsets
 
     def summarise(self, inputs):
-        meta = self.impl._meta(self.sizes, self.sch)  # one per pass
-        shapes = self.values + self.products + self.hits
-        summary = self._run("summary", meta, _buffers(inputs), shapes,
-                            [mx.float32] * len(shapes), _dtypes_text(inputs))
-        n, m = self.n_state, self.n_state + len(self.products)
-        local, prods, hits = summary[:n], summary[n:m], summary[m:]
+        local, prods, hits = self.passes.summary(inputs)
         products, local_end = self._compose(prods, local, adjoint=False, hits=hits)
-        return products, local_end, (meta, local, prods, hits)
+        return products, local_end, (local, prods, hits)
 
     def forward(self, inputs, start, memo):
-        spec, n = self.spec, self.n_state
-        meta, local, prods, hits = memo
-        carried = self._run("carry", meta, [*start, *local, *prods, *hits],
-                            [declared_shape(t, self.sizes) for t in spec.states.values()]
-                            + self.values, [mx.float32] * (2 * n), _dtypes_text(start))
-        ckpts = carried[n:]
-        outs = self._run("outputs", meta, [*_buffers(inputs), *ckpts],
-                         [declared_shape(t, self.sizes) for t in spec.outputs.values()],
-                         [self.out_dtype] * len(spec.outputs),
-                         f"{_dtypes_text(inputs)} -> {dtype_name(self.out_dtype)}",
-                         [("OutT", self.out_dtype)])
-        return outs, ckpts + prods
+        local, prods, hits = memo
+        _, ckpts = self.passes.carry(start, local, prods, hits)
+        return self.passes.outputs(inputs, ckpts, self.out_dtype), ckpts + prods
 
     def local_adjoint(self, inputs, start, residuals, d_out):
-        n = self.n_state
-        meta = self.impl._meta(self.sizes, self.sch)
-        shapes = self.shares + (self.hits if self.rec.local_adjoint.counts_hits else [])
-        summaries = self._run("local_adjoint", meta, [*_buffers(inputs), *residuals[:n], *d_out],
-                              shapes, [mx.float32] * len(shapes), _dtypes_text([*inputs, *d_out]))
-        local, hits = summaries[:n], summaries[n:]
+        n = len(self.spec.states)
+        local, hits = self.passes.local_adjoint(inputs, residuals[:n], d_out)
         composed, lam_local = self._compose(residuals[n:], local, adjoint=True, hits=hits or None)
         chunk_hits = {(b, "hits"): composed.get((b, "hits"), mx.array(0.0))
                       for b in range(len(self.rec.affine.blocks))}
-        return lam_local, chunk_hits, (meta, local, hits)
+        return lam_local, chunk_hits, (local, hits)
 
     def backward(self, inputs, start, residuals, d_out, lam_end, memo):
-        impl, n = self.impl, self.n_state
-        meta, local, hits = memo
+        n = len(self.spec.states)
+        local, hits = memo
         ckpts, prods = residuals[:n], residuals[n:]
-        carried = self._run("adjoint_carry", meta,
-                            [*[g.astype(mx.float32) for g in lam_end], *local, *prods, *hits],
-                            impl._d_init_shapes(self.sizes) + self.shares,
-                            [mx.float32] * (2 * n), "float32")
-        d_start, lam_ends = carried[:n], carried[n:]
-        shapes = [impl.meta.grad_shape(t, self.sizes, self.sch)
-                  for t in self.spec.differentiable_inputs.values()]
-        results = self._run("gradients", meta, [*_buffers(inputs), *ckpts, *d_out, *lam_ends],
-                            shapes, [mx.float32] * len(shapes), _dtypes_text([*inputs, *d_out]))
-        return (impl._finish_grads(inputs, results, self.sizes, self.sch),
-                impl._finish_d_init(d_start, start))
+        d_start, lam_ends = self.passes.adjoint_carry(lam_end, local, prods, hits)
+        return (self.passes.gradients(inputs, ckpts, d_out, lam_ends),
+                self.passes.initial_gradients(d_start, start))
 
 
 def _no_hits(rec) -> dict:
     """A count of zero hits of none, per block (``_Products``' layout)."""
     return {(b, "hits"): mx.array(0.0) for b in range(len(rec.affine.blocks))}
-
-
-def _buffers(inputs) -> list:
-    return [_kernels.as_buffer(x) for x in inputs]
-
-
-def _dtypes_text(arrays) -> str:
-    return ", ".join(dtype_name(x.dtype) for x in arrays)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -330,10 +330,8 @@ class KernelBackend:
 
     def residual_shapes(self, sizes, seg, threads=None, split=None):
         """Shapes of the chunked forward's residuals: checkpoints, then segment products."""
-        sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
-        instances = self._launch(sizes, sch)[0]
-        return (self._state_buffer_shapes(sizes, sch, instances)
-                + self._product_shapes(sizes, sch, instances))
+        passes = self.chunked(sizes, seg, threads, split)
+        return passes.values + passes.products
 
     def _run(self, kind, sch, sizes, meta, inputs, shapes, dtypes, dtypes_text, template=()):
         """Launch one kernel of the chunked schedule (``meta``: the pass's runtime values)."""
@@ -417,59 +415,122 @@ class KernelBackend:
         return grads
 
     # -- the chunked schedule --------------------------------------------------------------------
+    def chunked(self, sizes, seg, threads=None, split=None) -> "ChunkedPasses":
+        """The chunked schedule's passes for a call of these sizes (``ChunkedPasses``)."""
+        return ChunkedPasses(self, sizes, seg, threads, split)
+
     def _forward_chunked(self, inputs, states, sizes, seg, out_dtype, threads, split=None):
-        spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
-        instances = self._launch(sizes, sch)[0]
-        meta = self._meta(sizes, sch)
-        in_dtypes = ", ".join(dtype_name(x.dtype) for x in inputs)
-        inputs = [as_buffer(x) for x in inputs]
-        n_state = len(spec.states)
-        per_state = self._state_buffer_shapes(sizes, sch, instances)
-        prods = self._product_shapes(sizes, sch, instances)
-        hit_shapes = self._hits_shapes(sizes, sch, instances)
-        f32 = mx.float32
-        summary = self._run("summary", sch, sizes, meta, inputs, per_state + prods + hit_shapes,
-                            [f32] * (n_state + len(prods) + len(hit_shapes)), in_dtypes)
-        n, m = n_state, n_state + len(prods)
-        local, prod, hits = list(summary[:n]), list(summary[n:m]), list(summary[m:])
-        carried = self._run("carry", sch, sizes, meta, [*states, *local, *prod, *hits],
-                            [declared_shape(t, sizes) for t in spec.states.values()] + per_state,
-                            [f32] * (2 * n_state), ", ".join(dtype_name(x.dtype) for x in states))
-        finals, ckpts = list(carried[:n_state]), list(carried[n_state:])
-        outs = self._run("outputs", sch, sizes, meta, [*inputs, *ckpts],
-                         [declared_shape(t, sizes) for t in spec.outputs.values()],
-                         [out_dtype] * len(spec.outputs),
-                         in_dtypes + f" -> {dtype_name(out_dtype)}", [("OutT", out_dtype)])
-        return list(outs), finals, ckpts + prod
+        passes = self.chunked(sizes, seg, threads, split)
+        local, products, hits = passes.summary(inputs)
+        finals, ckpts = passes.carry(states, local, products, hits)
+        return passes.outputs(inputs, ckpts, out_dtype), finals, ckpts + products
 
     def _backward_chunked(self, inputs, states, residuals, d_outputs, d_finals, sizes, seg,
                           threads, split=None):
-        spec = self.rec.spec
-        sch = self._schedule(sizes, seg, threads, kind="chunked", split=split)
-        instances = self._launch(sizes, sch)[0]
-        meta = self._meta(sizes, sch)
-        n_state = len(spec.states)
-        ckpts, prods = residuals[:n_state], residuals[n_state:]
-        shares = self._state_buffer_shapes(sizes, sch, instances, shares=True)
-        dtypes = ", ".join(dtype_name(x.dtype) for x in [*inputs, *d_outputs])
-        buffers = [as_buffer(x) for x in inputs]
-        f32 = mx.float32
-        hit_shapes = (self._hits_shapes(sizes, sch, instances)
-                      if self.rec.local_adjoint.counts_hits else [])
-        summaries = self._run("local_adjoint", sch, sizes, meta, [*buffers, *ckpts, *d_outputs],
-                              shares + hit_shapes, [f32] * (n_state + len(hit_shapes)), dtypes)
-        local, hits = list(summaries[:n_state]), list(summaries[n_state:])
-        carried = self._run("adjoint_carry", sch, sizes, meta,
-                            [*[g.astype(f32) for g in d_finals], *local, *prods, *hits],
-                            self._d_init_shapes(sizes) + shares,
-                            [f32] * (2 * n_state), "float32")
-        d_init, lam_end = carried[:n_state], list(carried[n_state:])
-        shapes = [self.meta.grad_shape(t, sizes, sch) for t in spec.differentiable_inputs.values()]
-        results = self._run("gradients", sch, sizes, meta, [*buffers, *ckpts, *d_outputs, *lam_end],
-                            shapes, [f32] * len(shapes), dtypes)
-        grads = self._finish_grads(inputs, results, sizes, sch)
-        return grads, self._finish_d_init(d_init, states)
+        passes = self.chunked(sizes, seg, threads, split)
+        n_state = len(self.rec.spec.states)
+        ckpts, products = residuals[:n_state], residuals[n_state:]
+        local, hits = passes.local_adjoint(inputs, ckpts, d_outputs)
+        d_init, lam_end = passes.adjoint_carry(d_finals, local, products, hits)
+        return (passes.gradients(inputs, ckpts, d_outputs, lam_end),
+                passes.initial_gradients(d_init, states))
+
+
+class ChunkedPasses:
+    """The chunked schedule's passes on a kernel backend for one call's sizes
+    (``render/chunked.py``), each one kernel whose wrapper makes its outputs and returns them
+    by name: the forward is ``summary``, ``carry``, ``outputs``; the backward
+    ``local_adjoint``, ``adjoint_carry``, ``gradients``; sequence parallelism composes the
+    same passes with its own carry between ranks (``distributed._Segments``).
+
+    Buffers (shapes in ``values``, ``shares``, ``products``, ``hits``): every state per segment,
+    ``[segment, instance, component, NS or 1, lane]`` (an adjoint's lane shares of a state
+    without the lane axis: all lanes); block ``b``'s products ``[segment, instance, row * K +
+    col, NS or 1, lane]``; its counts of zero hits ``[segment, instance, 1, NS or 1, lane]``.
+    Instances enumerate the batch axes, row-major."""
+
+    def __init__(self, backend: KernelBackend, sizes, seg, threads=None, split=None):
+        self.backend, self.sizes = backend, sizes
+        self.spec = backend.rec.spec
+        b = backend
+        self.schedule = sch = b._schedule(sizes, seg, threads, kind="chunked", split=split)
+        instances = b._launch(sizes, sch)[0]
+        self.meta = b._meta(sizes, sch)  # the passes' runtime values
+        self.values = b._state_buffer_shapes(sizes, sch, instances)
+        self.shares = b._state_buffer_shapes(sizes, sch, instances, shares=True)
+        self.products = b._product_shapes(sizes, sch, instances)
+        self.hits = b._hits_shapes(sizes, sch, instances)
+
+    def _run(self, kind, inputs, shapes, dtypes_text, dtypes=None, template=()):
+        """One pass's kernel on ``inputs``, its outputs of ``shapes`` (fp32 unless ``dtypes``)."""
+        dtypes = dtypes or [mx.float32] * len(shapes)
+        return list(self.backend._run(kind, self.schedule, self.sizes, self.meta, inputs, shapes,
+                                      dtypes, dtypes_text, template))
+
+    def summary(self, inputs) -> tuple:
+        """``(local, products, hits)``: every segment's state from zero, its block products and
+        counts of zero hits."""
+        n, m = len(self.values), len(self.values) + len(self.products)
+        out = self._run("summary", _buffers(inputs), self.values + self.products + self.hits,
+                        _dtypes_text(inputs))
+        return out[:n], out[n:m], out[m:]
+
+    def carry(self, states, local, products, hits) -> tuple:
+        """``(final states, checkpoints)``: the states from ``states`` through the segments'
+        summaries, the state entering every segment."""
+        n = len(states)
+        out = self._run("carry", [*states, *local, *products, *hits],
+                        [declared_shape(t, self.sizes) for t in self.spec.states.values()]
+                        + self.values, _dtypes_text(states))
+        return out[:n], out[n:]
+
+    def outputs(self, inputs, ckpts, out_dtype) -> list:
+        """The outputs, in ``out_dtype``, every segment from its checkpoint."""
+        outs = self.spec.outputs.values()
+        return self._run("outputs", [*_buffers(inputs), *ckpts],
+                         [declared_shape(t, self.sizes) for t in outs],
+                         f"{_dtypes_text(inputs)} -> {dtype_name(out_dtype)}",
+                         [out_dtype] * len(outs), [("OutT", out_dtype)])
+
+    def local_adjoint(self, inputs, ckpts, d_outputs) -> tuple:
+        """``(local, hits)``: every segment's adjoint state from zero (lane shares) and, where
+        the adjoint counts them, its zero hits (else none)."""
+        n = len(self.shares)
+        hits = self.hits if self.backend.rec.local_adjoint.counts_hits else []
+        out = self._run("local_adjoint", [*_buffers(inputs), *ckpts, *d_outputs],
+                        self.shares + hits, _dtypes_text([*inputs, *d_outputs]))
+        return out[:n], out[n:]
+
+    def adjoint_carry(self, d_finals, local, products, hits) -> tuple:
+        """``(d_init, lam_end)``: the adjoint from the final states' cotangents through the
+        segments, newest first: the initial states' gradient buffers (``initial_gradients``
+        finishes them) and the adjoint leaving every segment."""
+        n = len(d_finals)
+        out = self._run("adjoint_carry",
+                        [*[g.astype(mx.float32) for g in d_finals], *local, *products, *hits],
+                        self.backend._d_init_shapes(self.sizes) + self.shares, "float32")
+        return out[:n], out[n:]
+
+    def gradients(self, inputs, ckpts, d_outputs, lam_end) -> list:
+        """The gradients of the differentiable inputs, each in its input's dtype."""
+        b = self.backend
+        shapes = [b.meta.grad_shape(t, self.sizes, self.schedule)
+                  for t in self.spec.differentiable_inputs.values()]
+        results = self._run("gradients", [*_buffers(inputs), *ckpts, *d_outputs, *lam_end],
+                            shapes, _dtypes_text([*inputs, *d_outputs]))
+        return b._finish_grads(inputs, results, self.sizes, self.schedule)
+
+    def initial_gradients(self, d_init, states) -> list:
+        """The initial states' gradients from ``adjoint_carry``'s buffers, in their dtypes."""
+        return self.backend._finish_d_init(d_init, states)
+
+
+def _buffers(inputs) -> list:
+    return [as_buffer(x) for x in inputs]
+
+
+def _dtypes_text(arrays) -> str:
+    return ", ".join(dtype_name(x.dtype) for x in arrays)
 
 
 class ScanPasses:
