@@ -741,10 +741,9 @@ class CallPlan:
         wanted; the direct path then neither reads zeros nor forms unwanted final states
         (``MatrixForm.direct``), and gives none of them."""
         n_out, n_state = self._counts
-        if self.decode is None and self.direct is not None:
-            results = self.direct(*inputs, *states, ends=ends)
-        else:
-            results = self._path(*inputs, *states)
+        path = self._path
+        results = path(*inputs, *states, ends=ends) if path is self.direct \
+            else path(*inputs, *states)
         return list(results[:n_out]), list(results[n_out:n_out + n_state])
 
     def package(self, outs, finals, return_state):

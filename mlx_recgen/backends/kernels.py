@@ -355,8 +355,7 @@ class KernelBackend:
         def build():
             sch = self._schedule(sizes, seg, threads, split=split)
             instances, grid, group = self._launch(sizes, sch)
-            dtypes = (", ".join(dtype_name(x.dtype) for x in inputs)
-                      + f" -> {dtype_name(out_dtype)}")
+            dtypes = f"{_dtypes_text(inputs)} -> {dtype_name(out_dtype)}"
             shapes, out_dtypes = self._forward_outputs(sizes, sch, instances, out_dtype)
             return _Launch(self.kernel("forward", sch, dtypes), self._meta(sizes, sch),
                            [*sch.template(), ("OutT", out_dtype)], grid, group, shapes, out_dtypes)
@@ -380,7 +379,7 @@ class KernelBackend:
 
         def build():
             instances, grid, group = self._launch(sizes, sch)
-            dtypes = ", ".join(dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+            dtypes = _dtypes_text([*inputs, *d_outputs])
             shapes = [self.meta.grad_shape(t, sizes, sch)
                       for t in spec.differentiable_inputs.values()]
             shapes += self._d_init_shapes(sizes)
@@ -557,8 +556,7 @@ class ScanPasses:
 
         def build():
             instances, grid, group = b._launch(sizes, sch, outer=segments if sch.lookback else 1)
-            dtypes = (", ".join(dtype_name(x.dtype) for x in inputs)
-                      + f" -> {dtype_name(out_dtype)}")
+            dtypes = f"{_dtypes_text(inputs)} -> {dtype_name(out_dtype)}"
             shapes, out_dtypes = b._forward_outputs(sizes, sch, instances, out_dtype)
             template = [*sch.template(), ("OutT", out_dtype),
                         *self.run_template([x.dtype for x in inputs])]
@@ -586,7 +584,7 @@ class ScanPasses:
 
         def build():
             _, grid, group = b._launch(sizes, sch)
-            dtypes = ", ".join(dtype_name(x.dtype) for x in [*inputs, *d_outputs])
+            dtypes = _dtypes_text([*inputs, *d_outputs])
             shapes = [b.meta.grad_shape(t, sizes, sch) for t in spec.differentiable_inputs.values()]
             shapes += b._d_init_shapes(sizes)
             grad_dtypes = self.grad_dtypes({n: x.dtype for n, x in zip(spec.inputs, inputs)},
